@@ -1,0 +1,45 @@
+"""circuits: probabilistic circuits with a symbolic IR, structural checks and exact torch queries.
+
+Layers of the library, from the bottom up:
+
+* :mod:`circuits.symbolic`: the IR (input, sum and product layers over scoped variables);
+* :mod:`circuits.region_graphs`: region graphs and circuits built from them;
+* :mod:`circuits.templates`: named architectures (FF, CP, HMM, BTree) by name or function;
+* :mod:`circuits.structure`: smoothness, decomposability, structured decomposability, compatibility;
+* :mod:`circuits.operations`: product of compatible circuits, symbolic integration;
+* :mod:`circuits.compiled`: folded torch modules and the exact queries.
+"""
+
+from circuits.compiled import CompiledCircuit, ParameterSpec, Semiring, compile
+from circuits.errors import (
+    CircuitError,
+    InvalidInputError,
+    RegionGraphError,
+    StructureError,
+    UnknownArchitectureError,
+)
+from circuits.parameterizations import Exp, Parameterization, Softmax
+from circuits.structure import (
+    are_compatible,
+    check,
+    is_decomposable,
+    is_smooth,
+    is_structured_decomposable,
+)
+from circuits.symbolic import (
+    Categorical,
+    Circuit,
+    InputLayer,
+    Layer,
+    ProductKind,
+    ProductLayer,
+    SumLayer,
+)
+
+__all__ = [
+    "Categorical", "Circuit", "CircuitError", "CompiledCircuit", "Exp", "InputLayer",
+    "InvalidInputError", "Layer", "ParameterSpec", "Parameterization", "ProductKind",
+    "ProductLayer", "RegionGraphError", "Semiring", "Softmax", "StructureError", "SumLayer",
+    "UnknownArchitectureError", "are_compatible", "check", "compile", "is_decomposable",
+    "is_smooth", "is_structured_decomposable",
+]

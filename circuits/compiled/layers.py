@@ -1,0 +1,214 @@
+"""Folded torch layers: each evaluates a stack of ``F`` same-shaped symbolic layers at once.
+
+All values are log-values of shape ``(F, B, K)`` (``F`` folded layers, batch ``B``, ``K`` units).
+Parameters are either the layer's own (``raw`` of shape ``(F, K, D)``) or supplied per call with a
+leading batch dimension (``(B, F, K, D)``): one parameter set per data row. ``D`` is the number of
+categories (input layers) or of concatenated input units (sum layers).
+
+Two semirings are supported: :attr:`Semiring.SUM` (log-sum-exp: probabilities) and
+:attr:`Semiring.MAX` (max-product: MAP/Viterbi values).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from circuits.compiled.folding import FoldPlan
+from circuits.parameterizations import Parameterization
+from circuits.symbolic import InputLayer, ProductKind, SumLayer
+
+
+class Semiring(Enum):
+    SUM = "sum"  # log-sum-exp: likelihoods and marginals
+    MAX = "max"  # max-product: MAP values
+
+
+def _initial_raw(plan: FoldPlan, shape: tuple[int, int], generator: torch.Generator) -> Tensor:
+    """Stack the symbolic layers' initial parameters, drawing random ones where none are given."""
+    assert plan.parameterization is not None
+    rows = []
+    for layer in plan.layers:
+        assert isinstance(layer, (InputLayer, SumLayer))
+        if layer.initial is not None:
+            rows.append(layer.initial.detach().to(torch.float32).cpu())
+        else:
+            rows.append(plan.parameterization.initial_raw(shape, generator))
+    return torch.stack(rows)
+
+
+class FoldedInput(nn.Module):
+    """A fold of categorical input layers.
+
+    Buffers: ``variables`` (F,) the variable of each stacked layer; ``integrated`` (F,) bool.
+    Parameter: ``raw`` (F, K, C).
+    """
+
+    def __init__(self, plan: FoldPlan, generator: torch.Generator) -> None:
+        super().__init__()
+        assert plan.parameterization is not None
+        self.plan = plan
+        self.parameterization: Parameterization = plan.parameterization
+        self.num_categories = plan.num_categories
+        layers = [layer for layer in plan.layers if isinstance(layer, InputLayer)]
+        self.register_buffer("variables", torch.tensor([la.variable for la in layers]))
+        self.register_buffer("integrated", torch.tensor([la.integrated for la in layers]))
+        self.raw = nn.Parameter(_initial_raw(plan, (plan.num_units, plan.num_categories), generator))
+
+    def log_probs(self, raw: Tensor | None) -> Tensor:
+        """Log-probabilities ``(F, K, C)`` or, for per-row parameters, ``(B, F, K, C)``."""
+        return self.parameterization.log_weights(self.raw if raw is None else raw)
+
+    def forward(self, x: Tensor, observed: Tensor, log_probs: Tensor,
+                semiring: Semiring = Semiring.SUM) -> Tensor:
+        """Log-values ``(F, B, K)`` of the units given data.
+
+        Args:
+            x: (B, V) long, category of every variable (ignored where not observed).
+            observed: (B, V) bool; unobserved variables are summed out (max-ed out under MAX).
+            log_probs: from :meth:`log_probs`.
+        """
+        values = x[:, self.variables].clamp(min=0)  # (B, F)
+        if log_probs.dim() == 3:
+            # (F, C, K) indexed by (f, value[b, f]) -> (F, B, K)
+            table = log_probs.transpose(1, 2)
+            picked = table[torch.arange(table.shape[0], device=x.device)[:, None], values.T]
+        else:
+            index = values[:, :, None, None].expand(-1, -1, log_probs.shape[2], 1)
+            picked = log_probs.gather(3, index).squeeze(3).permute(1, 0, 2)
+        is_observed = observed[:, self.variables].T & ~self.integrated[:, None]  # (F, B)
+        if bool(is_observed.all()):
+            return picked
+        if self.parameterization.normalized:
+            mass = log_probs.new_zeros(log_probs.shape[:-1])
+        else:
+            mass = torch.logsumexp(log_probs, -1)
+        if semiring is Semiring.MAX:  # max out free variables, but integrated ones stay summed
+            best = log_probs.amax(-1)
+            free = best if mass.dim() == 2 else best.transpose(0, 1)
+            mass = mass if mass.dim() == 2 else mass.transpose(0, 1)
+            summed_out = torch.where(self.integrated[:, None], mass, free)
+        else:
+            summed_out = mass if mass.dim() == 2 else mass.transpose(0, 1)
+        summed_out = summed_out[:, None, :] if summed_out.dim() == 2 else summed_out
+        return torch.where(is_observed[:, :, None], picked, summed_out)
+
+
+def gather_inputs(outputs: list[Tensor], plan: FoldPlan, buffers: list[Tensor]) -> list[Tensor]:
+    """The fold's ``H`` inputs, each ``(F, B, K_h)``, read from earlier folds' outputs."""
+    gathered = []
+    for address, index in zip(plan.inputs, buffers, strict=True):
+        if len(address.sources) == 1:
+            source = outputs[address.sources[0]]
+            if index.shape[0] == source.shape[0] and address.index == tuple(range(index.shape[0])):
+                gathered.append(source)
+                continue
+        else:
+            source = torch.cat([outputs[s] for s in address.sources], dim=0)
+        gathered.append(source.index_select(0, index))
+    return gathered
+
+
+class RoutedFold(nn.Module):
+    """Shared by sum and product folds: index buffers to read inputs and route choices back.
+
+    ``index_{h}`` gathers input ``h`` bottom-up; ``routes(h)`` lists, per source fold, which of
+    this fold's slots read from which of the source's slots (used by top-down passes).
+    """
+
+    def __init__(self, plan: FoldPlan) -> None:
+        super().__init__()
+        self.plan = plan
+        self._routes: list[list[tuple[int, str, str]]] = []
+        for h, address in enumerate(plan.inputs):
+            self.register_buffer(f"index_{h}", torch.tensor(address.index), persistent=False)
+            routes = []
+            for source in address.sources:
+                folds = [f for f, (src, _) in enumerate(address.slots) if src == source]
+                slots = [address.slots[f][1] for f in folds]
+                self.register_buffer(f"route_{h}_{source}_f", torch.tensor(folds), persistent=False)
+                self.register_buffer(f"route_{h}_{source}_s", torch.tensor(slots), persistent=False)
+                routes.append((source, f"route_{h}_{source}_f", f"route_{h}_{source}_s"))
+            self._routes.append(routes)
+
+    def index_buffers(self) -> list[Tensor]:
+        return [getattr(self, f"index_{h}") for h in range(len(self.plan.inputs))]
+
+    def routes(self, h: int) -> list[tuple[int, Tensor, Tensor]]:
+        """``(source fold id, this fold's slots, source slots)`` for input ``h``."""
+        return [(source, getattr(self, f), getattr(self, s)) for source, f, s in self._routes[h]]
+
+
+class FoldedSum(RoutedFold):
+    """A fold of sum layers. Parameter ``raw`` (F, K, D) with D = total input units."""
+
+    def __init__(self, plan: FoldPlan, generator: torch.Generator) -> None:
+        super().__init__(plan)
+        assert plan.parameterization is not None
+        self.parameterization: Parameterization = plan.parameterization
+        self.input_width = sum(plan.input_widths)
+        self.raw = nn.Parameter(_initial_raw(plan, (plan.num_units, self.input_width), generator))
+
+    def log_weights(self, raw: Tensor | None) -> Tensor:
+        """Log-weights ``(F, K, D)`` or, for per-row parameters, ``(B, F, K, D)``."""
+        return self.parameterization.log_weights(self.raw if raw is None else raw)
+
+    def forward(self, inputs: Tensor, log_weights: Tensor,
+                semiring: Semiring = Semiring.SUM) -> Tensor:
+        """``inputs`` (F, B, D) log-values -> (F, B, K) log-values of the sum units."""
+        if semiring is Semiring.MAX:
+            if log_weights.dim() == 3:
+                return (inputs[:, :, None, :] + log_weights[:, None, :, :]).amax(-1)
+            return (inputs[:, :, None, :] + log_weights.transpose(0, 1)).amax(-1)
+        return log_matmul(inputs, log_weights)
+
+
+def log_matmul(inputs: Tensor, log_weights: Tensor) -> Tensor:
+    """``log(exp(inputs) @ exp(log_weights)^T)`` per fold, stable and NaN-free.
+
+    Args:
+        inputs: (F, B, D) log-values.
+        log_weights: (F, K, D) shared by the batch, or (B, F, K, D) one set per row.
+
+    Returns:
+        (F, B, K). Both operands are shifted by their maxima before exponentiating, so nothing
+        overflows; rows whose true value is 0 come out as ``-inf`` with zero (not NaN) gradients.
+    """
+    in_max = inputs.detach().amax(-1, keepdim=True)
+    in_max = torch.where(torch.isfinite(in_max), in_max, torch.zeros_like(in_max))
+    w_max = log_weights.detach().amax(-1, keepdim=True)
+    w_max = torch.where(torch.isfinite(w_max), w_max, torch.zeros_like(w_max))
+    probs = torch.exp(inputs - in_max)
+    weights = torch.exp(log_weights - w_max)
+    if weights.dim() == 3:
+        total = torch.bmm(probs, weights.transpose(1, 2))  # (F, B, K)
+        shift = in_max + w_max.squeeze(-1)[:, None, :]
+    else:
+        fold, batch, width = probs.shape
+        w = weights.transpose(0, 1).reshape(fold * batch, weights.shape[2], width)
+        total = torch.bmm(w, probs.reshape(fold * batch, width, 1)).view(fold, batch, -1)
+        shift = in_max + w_max.squeeze(-1).transpose(0, 1)
+    positive = total > 0
+    safe = torch.where(positive, total, torch.ones_like(total))
+    return torch.where(positive, torch.log(safe) + shift, torch.full_like(total, -torch.inf))
+
+
+class FoldedProduct(RoutedFold):
+    """A fold of product layers (Hadamard: sum of log-values; Kronecker: outer sum)."""
+
+    def __init__(self, plan: FoldPlan) -> None:
+        super().__init__(plan)
+        self.kind = plan.product_kind
+
+    def forward(self, inputs: list[Tensor]) -> Tensor:
+        """``H`` inputs ``(F, B, K_h)`` -> ``(F, B, K)``."""
+        result = inputs[0]
+        for other in inputs[1:]:
+            if self.kind is ProductKind.HADAMARD:
+                result = result + other
+            else:
+                fold, batch = result.shape[:2]
+                result = (result[:, :, :, None] + other[:, :, None, :]).reshape(fold, batch, -1)
+        return result

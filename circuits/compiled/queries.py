@@ -1,0 +1,164 @@
+"""Exact conditional queries on a compiled circuit.
+
+Conditionals use the derivative identity of smooth, decomposable circuits: the circuit is linear
+in the outputs of the input units of any one variable ``X_i``, so with ``X_i`` summed out,
+
+    p(X_i = c | e) = sum_u  g_u * phi_u(c) / l_u,     g_u = d log c(e) / d log l_u,
+
+where ``l_u`` is input unit ``u``'s output (its total mass, 1 when normalised) and ``phi_u`` its
+distribution. One bottom-up and one backward pass give these conditionals for *every* unobserved
+variable at once, whatever the number of categories: a constant number of passes.
+
+Prefix queries evaluate ``n`` masked copies of each row in one batched pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from circuits.compiled.circuit import CompiledCircuit, Params
+from circuits.compiled.layers import FoldedInput
+from circuits.errors import InvalidInputError
+
+
+def _uniform_categories(circuit: CompiledCircuit, variables: Sequence[int]) -> int:
+    sizes = {int(circuit.categories[v]) for v in variables}
+    if len(sizes) != 1:
+        raise InvalidInputError(
+            f"conditional queries return one vector per variable and need the queried variables "
+            f"to share a number of categories; got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _check_order(circuit: CompiledCircuit, order: Sequence[int] | None) -> list[int]:
+    if order is None:
+        return list(circuit.scope)
+    order = [int(v) for v in order]
+    if sorted(order) != sorted(set(order)) or not set(order) <= set(circuit.scope):
+        raise InvalidInputError(
+            f"order must list distinct variables of the circuit's scope {list(circuit.scope)}, "
+            f"got {order}")
+    return order
+
+
+def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
+                     params: dict[str, Tensor], num_categories: int) -> Tensor:
+    """``(B, V, C)`` probabilities ``p(X_v = c | evidence)`` on validated inputs.
+
+    Rows of variables that are observed (or outside the scope) hold meaningless values; the
+    callers select the unobserved variables they were asked about. Not differentiable.
+    """
+    batch = x.shape[0]
+    with torch.inference_mode(False), torch.enable_grad():
+        params = {k: v.detach().clone() for k, v in params.items()}
+        leaves: dict[int, Tensor] = {}
+        root = circuit.evaluate(x, observed, params, input_leaves=leaves)
+        fold_ids = list(leaves)
+        grads = torch.autograd.grad(root.sum(), [leaves[i] for i in fold_ids], allow_unused=True)
+    result = torch.zeros(batch, circuit.num_variables, num_categories,
+                         dtype=root.dtype, device=root.device)
+    for fold_id, grad in zip(fold_ids, grads, strict=True):
+        module = circuit.folds[fold_id]
+        assert isinstance(module, FoldedInput)
+        if grad is None or module.num_categories != num_categories:
+            continue
+        leaf = leaves[fold_id].detach()  # (F, B, K)
+        weight = torch.where(grad > 0, grad * torch.exp(-leaf), torch.zeros_like(grad))
+        probs = torch.exp(module.log_probs(params.get(circuit.plans[fold_id].name)).detach())
+        if probs.dim() == 3:
+            contribution = torch.bmm(weight, probs)  # (F, B, C)
+        else:
+            contribution = torch.einsum("fbk,bfkc->fbc", weight, probs)
+        live = ~module.integrated
+        result.index_add_(1, module.variables[live], contribution[live].transpose(0, 1))
+    return result
+
+
+def log_conditional(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
+                    variables: Sequence[int] | None = None, params: Params | None = None) -> Tensor:
+    """``log p(X_v | evidence)`` for each queried variable, as full vectors over categories.
+
+    Args:
+        x: (B, V) data; only observed entries are read.
+        observed: (B, V) or (V,) bool evidence mask.
+        variables: the variables to query (default: every variable of the scope that is
+            unobserved in all rows). They must be unobserved and share a number of categories C.
+        params: optional external parameters with batch B.
+
+    Returns:
+        (B, len(variables), C) log-probabilities; each vector sums to one. Rows whose evidence has
+        probability zero give NaN.
+    """
+    x, observed = circuit.validate_data(x, observed)
+    checked = circuit.validate_params(params, x.shape[0])
+    if variables is None:
+        variables = [v for v in circuit.scope if not bool(observed[:, v].any())]
+    variables = [int(v) for v in variables]
+    if not variables:
+        raise InvalidInputError("no variable to query: every variable is observed")
+    for v in variables:
+        if v not in circuit.scope:
+            raise InvalidInputError(f"variable {v} is not in the circuit's scope {list(circuit.scope)}")
+        if bool(observed[:, v].any()):
+            raise InvalidInputError(
+                f"variable {v} is observed in some rows; a conditional query needs it unobserved")
+    size = _uniform_categories(circuit, variables)
+    probs = all_conditionals(circuit, x, observed, checked, size)[:, variables]
+    return torch.log(probs / probs.sum(-1, keepdim=True))
+
+
+def _expand_params(params: dict[str, Tensor], repeats: int) -> dict[str, Tensor]:
+    return {k: v.repeat_interleave(repeats, dim=0) for k, v in params.items()}
+
+
+def log_prefix_marginals(circuit: CompiledCircuit, x: Tensor, order: Sequence[int] | None = None,
+                         params: Params | None = None) -> Tensor:
+    """``log q(x_{o_1}, ..., x_{o_i})`` for every prefix length ``i = 1..n`` in one pass.
+
+    Args:
+        x: (B, V) complete data on the variables of ``order``.
+        order: the variable order (default: the scope in increasing order).
+
+    Returns:
+        (B, n); column ``i`` marginalises every variable after ``o_{i+1}``.
+    """
+    order = _check_order(circuit, order)
+    x, _ = circuit.validate_data(x)
+    batch, steps = x.shape[0], len(order)
+    checked = circuit.validate_params(params, batch)
+    position = torch.full((circuit.num_variables,), steps, dtype=torch.long, device=x.device)
+    position[torch.tensor(order, device=x.device)] = torch.arange(steps, device=x.device)
+    observed = position[None, :] <= torch.arange(steps, device=x.device)[:, None]  # (n, V)
+    rows = x.repeat_interleave(steps, dim=0)
+    mask = observed.repeat(batch, 1)
+    return circuit.evaluate(rows, mask, _expand_params(checked, steps)).view(batch, steps)
+
+
+def log_prefix_conditionals(circuit: CompiledCircuit, x: Tensor, order: Sequence[int] | None = None,
+                            params: Params | None = None) -> Tensor:
+    """``log q(X_{o_i} | x_{o_1}, ..., x_{o_{i-1}})`` as full vectors, for every ``i`` at once.
+
+    This is what a speculative decoder needs: the draft's exact conditional at each window
+    position given the drafted prefix (for acceptance ratios and residual distributions).
+
+    Returns:
+        (B, n, C) log-probabilities.
+    """
+    order = _check_order(circuit, order)
+    x, _ = circuit.validate_data(x)
+    batch, steps = x.shape[0], len(order)
+    checked = circuit.validate_params(params, batch)
+    size = _uniform_categories(circuit, order)
+    order_t = torch.tensor(order, device=x.device)
+    position = torch.full((circuit.num_variables,), steps, dtype=torch.long, device=x.device)
+    position[order_t] = torch.arange(steps, device=x.device)
+    observed = position[None, :] < torch.arange(steps, device=x.device)[:, None]  # (n, V)
+    rows = x.repeat_interleave(steps, dim=0)
+    probs = all_conditionals(circuit, rows, observed.repeat(batch, 1),
+                             _expand_params(checked, steps), size)
+    picked = probs.view(batch, steps, circuit.num_variables, size)[
+        :, torch.arange(steps, device=x.device), order_t]
+    return torch.log(picked / picked.sum(-1, keepdim=True))

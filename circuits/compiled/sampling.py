@@ -1,0 +1,208 @@
+"""Ancestral sampling, conditional (posterior) sampling and MAP on a compiled circuit.
+
+All three are one bottom-up pass (skipped for unconditional sampling of normalised circuits)
+followed by one top-down pass over the folds. Top-down, each layer has at most one *chosen* unit
+per sample (all units of a layer share a scope, and a smooth, decomposable circuit visits each
+scope once per induced tree), so the state is a ``(F, B)`` index tensor per fold, ``-1`` where the
+layer is not visited.
+
+* a chosen sum unit picks one input unit ``j`` with probability proportional to
+  ``w_j * c_j(evidence)``: the exact posterior of the sum's latent variable given the evidence
+  (``c_j = 1`` without evidence in a normalised circuit, so the weights alone are used);
+* a chosen product unit chooses the matching unit of every input (Kronecker: mixed-radix digits);
+* a chosen input unit over an unobserved variable samples a category from its distribution, or
+  copies the evidence when the variable is observed.
+
+Sampling draws Gumbel noise in float64 from the caller's ``torch.Generator``; MAP replaces the
+random choice by an argmax on the max-product values (exact for deterministic circuits,
+max-product/Viterbi otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from circuits.compiled.circuit import CompiledCircuit, Params, Trace
+from circuits.compiled.folding import FoldKind
+from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring
+from circuits.errors import InvalidInputError
+from circuits.symbolic import ProductKind
+
+Chooser = Callable[[Tensor], Tensor]
+
+
+def gumbel_chooser(generator: torch.Generator | None) -> Chooser:
+    """Sample ``argmax(logits + Gumbel)``: an exact draw from ``softmax(logits)`` per row."""
+
+    def choose(logits: Tensor) -> Tensor:
+        uniform = torch.rand(logits.shape, generator=generator, dtype=torch.float64,
+                             device=logits.device)
+        return (logits.double() - torch.log(-torch.log(uniform))).argmax(-1)
+
+    return choose
+
+
+def argmax_chooser(logits: Tensor) -> Tensor:
+    return logits.argmax(-1)
+
+
+def _rows(table: Tensor, unit: Tensor) -> Tensor:
+    """Pick row ``unit[f, b]`` of a ``(F, K, D)`` or ``(B, F, K, D)`` table: ``(F, B, D)``."""
+    fold, batch = unit.shape
+    folds = torch.arange(fold, device=unit.device)[:, None]
+    if table.dim() == 3:
+        return table[folds, unit]
+    rows = torch.arange(batch, device=unit.device)[None, :]
+    return table[rows, folds, unit]
+
+
+def _send(chosen: list[Tensor], routes: list[tuple[int, Tensor, Tensor]], unit: Tensor) -> None:
+    """Mark input units as chosen: ``unit`` (F, B) holds the child unit index or -1."""
+    for source, fold_index, slot_index in routes:
+        values = unit.index_select(0, fold_index)
+        target = chosen[source]
+        target.scatter_reduce_(0, slot_index[:, None].expand_as(values), values, "amax")
+
+
+def descend(circuit: CompiledCircuit, trace: Trace, x: Tensor, observed: Tensor,
+            choose: Chooser) -> Tensor:
+    """The top-down pass: returns the completed assignment ``(B, V)`` (-1 outside the scope)."""
+    batch = x.shape[0]
+    device = x.device
+    chosen = [torch.full((plan.num_folded, batch), -1, dtype=torch.long, device=device)
+              for plan in circuit.plans]
+    chosen[-1][0] = 0
+    result = torch.full((batch, circuit.num_variables), -1, dtype=torch.long, device=device)
+    for plan, module in zip(reversed(circuit.plans), reversed(circuit.folds), strict=True):
+        selected = chosen[plan.fold_id]
+        active = selected >= 0
+        unit = selected.clamp(min=0)
+        if isinstance(module, FoldedInput):
+            values = choose(_rows(trace.log_params[plan.fold_id], unit))  # (F, B)
+            variables = module.variables
+            evidence = x[:, variables].T
+            values = torch.where(observed[:, variables].T, evidence, values)
+            values = torch.where(active & ~module.integrated[:, None], values, -1)
+            result.scatter_reduce_(1, variables[None, :].expand(batch, -1), values.T, "amax")
+        elif isinstance(module, FoldedSum):
+            logits = _rows(trace.log_params[plan.fold_id], unit)
+            inputs = trace.sum_inputs.get(plan.fold_id)
+            if inputs is not None:
+                logits = logits + inputs
+            child = choose(logits)
+            start = 0
+            for h, width in enumerate(plan.input_widths):
+                inside = active & (child >= start) & (child < start + width)
+                _send(chosen, module.routes(h), torch.where(inside, child - start, -1))
+                start += width
+        else:
+            assert isinstance(module, FoldedProduct)
+            if plan.product_kind is ProductKind.HADAMARD:
+                for h in range(len(plan.input_widths)):
+                    _send(chosen, module.routes(h), torch.where(active, unit, -1))
+            else:
+                rest = unit
+                for h in reversed(range(len(plan.input_widths))):
+                    width = plan.input_widths[h]
+                    _send(chosen, module.routes(h), torch.where(active, rest % width, -1))
+                    rest = torch.div(rest, width, rounding_mode="floor")
+    return result
+
+
+def _log_params_only(circuit: CompiledCircuit, params: dict[str, Tensor]) -> Trace:
+    trace = Trace()
+    for plan, module in zip(circuit.plans, circuit.folds, strict=True):
+        if isinstance(module, FoldedInput):
+            trace.log_params[plan.fold_id] = module.log_probs(params.get(plan.name))
+        elif isinstance(module, FoldedSum):
+            trace.log_params[plan.fold_id] = module.log_weights(params.get(plan.name))
+    return trace
+
+
+@torch.no_grad()
+def conditional_sample(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
+                       generator: torch.Generator | None = None,
+                       params: Params | None = None) -> Tensor:
+    """One exact sample of the unobserved variables from ``p(. | evidence)`` per row.
+
+    Args:
+        x: (B, V) evidence (read where ``observed``); observed entries are copied to the output.
+        observed: (B, V) or (V,) bool mask.
+        generator: source of randomness (on the circuit's device).
+        params: optional external parameters with batch B.
+
+    Returns:
+        (B, V) long; variables outside the circuit's scope are -1.
+    """
+    x, observed = circuit.validate_data(x, observed)
+    checked = circuit.validate_params(params, x.shape[0])
+    trace = Trace()
+    circuit.evaluate(x, observed, checked, trace=trace)
+    return descend(circuit, trace, x, observed, gumbel_chooser(generator))
+
+
+@torch.no_grad()
+def sample(circuit: CompiledCircuit, num_samples: int | None = None,
+           generator: torch.Generator | None = None, params: Params | None = None) -> Tensor:
+    """Exact samples from the circuit's distribution: ``(num_samples, V)`` long.
+
+    With external parameters of batch B, draws one sample per parameter set (``num_samples``
+    may be omitted or must equal B). A normalised circuit needs no bottom-up pass at all.
+    """
+    checked = circuit.validate_params(params, None)
+    batch = circuit.params_batch_size(checked)
+    if batch is None:
+        if num_samples is None or not isinstance(num_samples, int) or num_samples < 1:
+            raise InvalidInputError(f"num_samples must be a positive int, got {num_samples!r}")
+        batch = num_samples
+    elif num_samples is not None and num_samples != batch:
+        raise InvalidInputError(
+            f"external parameters hold {batch} parameter sets: draw one sample per set "
+            f"(num_samples={batch} or None), got num_samples={num_samples}")
+    device = circuit.categories.device
+    x = torch.zeros(batch, circuit.num_variables, dtype=torch.long, device=device)
+    observed = torch.zeros_like(x, dtype=torch.bool)
+    if circuit.normalized:
+        trace = _log_params_only(circuit, checked)
+    else:
+        trace = Trace()
+        circuit.evaluate(x, observed, checked, trace=trace)
+    return descend(circuit, trace, x, observed, gumbel_chooser(generator))
+
+
+@torch.no_grad()
+def map_state(circuit: CompiledCircuit, x: Tensor | None = None, observed: Tensor | None = None,
+              params: Params | None = None) -> tuple[Tensor, Tensor]:
+    """Most probable completion of the evidence by max-product, and its max-product log-value.
+
+    Exact MAP for deterministic circuits (at most one non-zero input per sum unit for any
+    complete assignment). For other circuits this is the max-product (Viterbi) state: the best
+    single induced tree, whose value lower-bounds ``log c(state)``.
+
+    Args:
+        x: (B, V) evidence, or None for no evidence (then ``params`` fixes the batch, default 1).
+        observed: (B, V) or (V,) mask; default: nothing observed.
+
+    Returns:
+        ``(state (B, V) long, log_value (B,))``.
+    """
+    checked = circuit.validate_params(params, None)
+    if x is None:
+        batch = circuit.params_batch_size(checked) or 1
+        x = torch.zeros(batch, circuit.num_variables, dtype=torch.long,
+                        device=circuit.categories.device)
+        if observed is None:
+            observed = torch.zeros_like(x, dtype=torch.bool)
+    if observed is None:
+        observed = torch.zeros(circuit.num_variables, dtype=torch.bool, device=x.device)
+    x, observed = circuit.validate_data(x, observed)
+    checked = circuit.validate_params(params, x.shape[0])
+    trace = Trace()
+    value = circuit.evaluate(x, observed, checked, semiring=Semiring.MAX, trace=trace)
+    return descend(circuit, trace, x, observed, argmax_chooser), value
+
+
+__all__ = ["FoldKind", "conditional_sample", "descend", "map_state", "sample"]

@@ -1,0 +1,1 @@
+"""circuits_llm: circuit multi-token-prediction heads and lossless speculative decoding."""
