@@ -26,6 +26,10 @@ class InvalidInputError(CircuitError, ValueError):
     """A query received data of the wrong shape, dtype or range."""
 
 
+class SerializationError(CircuitError, ValueError):
+    """A circuit file or dictionary is malformed, of an unsupported version, or not serialisable."""
+
+
 class UnknownArchitectureError(CircuitError, KeyError):
     """A template name that is not registered was requested."""
 

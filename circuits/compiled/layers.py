@@ -33,10 +33,12 @@ def _initial_raw(plan: FoldPlan, shape: tuple[int, int], generator: torch.Genera
     for layer in plan.layers:
         assert isinstance(layer, (InputLayer, SumLayer))
         if layer.initial is not None:
-            rows.append(layer.initial.detach().to(torch.float32).cpu())
+            rows.append(layer.initial.detach().cpu())
         else:
             rows.append(plan.parameterization.initial_raw(shape, generator))
-    return torch.stack(rows)
+    # float64 initial values keep their precision until compile() casts to the requested dtype
+    dtype = torch.float64 if any(row.dtype == torch.float64 for row in rows) else torch.float32
+    return torch.stack([row.to(dtype) for row in rows])
 
 
 class FoldedInput(nn.Module):
@@ -70,7 +72,8 @@ class FoldedInput(nn.Module):
             observed: (B, V) bool; unobserved variables are summed out (max-ed out under MAX).
             log_probs: from :meth:`log_probs`.
         """
-        values = x[:, self.variables].clamp(min=0)  # (B, F)
+        # unobserved entries are never read, whatever they hold: keep them in range for indexing
+        values = x[:, self.variables].clamp(0, self.num_categories - 1)  # (B, F)
         if log_probs.dim() == 3:
             # (F, C, K) indexed by (f, value[b, f]) -> (F, B, K)
             table = log_probs.transpose(1, 2)
@@ -89,7 +92,8 @@ class FoldedInput(nn.Module):
             best = log_probs.amax(-1)
             free = best if mass.dim() == 2 else best.transpose(0, 1)
             mass = mass if mass.dim() == 2 else mass.transpose(0, 1)
-            summed_out = torch.where(self.integrated[:, None], mass, free)
+            integrated = self.integrated.view(-1, *([1] * (mass.dim() - 1)))  # (F, 1[, 1])
+            summed_out = torch.where(integrated, mass, free)
         else:
             summed_out = mass if mass.dim() == 2 else mass.transpose(0, 1)
         summed_out = summed_out[:, None, :] if summed_out.dim() == 2 else summed_out

@@ -1,0 +1,1 @@
+"""Benchmarks of the ``circuits`` library (run ``python -m benchmarks.circuits_bench``)."""

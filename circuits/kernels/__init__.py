@@ -1,0 +1,48 @@
+"""Fused kernels for the hot paths of the compiled circuits, with an always-exact torch fallback.
+
+Backends (:class:`KernelBackend`): ``TORCH`` (the reference, always available), ``TRITON`` (fused
+kernels; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and ``AUTO`` (triton on CUDA
+tensors when ``import triton`` works, torch otherwise; never triton on the CPU). Force one
+globally (:func:`set_backend`, or the environment variable ``CIRCUITS_KERNELS=torch|triton``),
+in a block (``with use_backend("torch"): ...``) or per call (``backend=`` arguments).
+Triton is optional: importing this package never imports it.
+
+Operations (:mod:`circuits.kernels.ops`): :func:`log_matmul` (the log-space sum layer, forward
+and backward; :func:`circuits.compiled.layers.log_matmul` dispatches to it) and
+:func:`sum_child_choice` (the Gumbel-max top-down step through a sum fold, used by the sampler
+through :func:`choose_sum_children`).
+"""
+
+from circuits.kernels.backend import (
+    ENV_VAR,
+    KernelBackend,
+    KernelBackendError,
+    interpreter_enabled,
+    parse_backend,
+    requested_backend,
+    reset_triton_import_cache,
+    resolve_backend,
+    set_backend,
+    triton_available,
+    triton_import_error,
+    use_backend,
+    use_triton,
+)
+from circuits.kernels.ops import (
+    GumbelChooser,
+    TritonLogMatmul,
+    choose_sum_children,
+    gumbel_argmax,
+    log_matmul,
+    log_matmul_backward,
+    rows_of,
+    sum_child_choice,
+)
+
+__all__ = [
+    "ENV_VAR", "GumbelChooser", "KernelBackend", "KernelBackendError", "TritonLogMatmul",
+    "choose_sum_children", "gumbel_argmax", "interpreter_enabled", "log_matmul",
+    "log_matmul_backward", "parse_backend", "requested_backend", "reset_triton_import_cache",
+    "resolve_backend", "rows_of", "set_backend", "sum_child_choice", "triton_available",
+    "triton_import_error", "use_backend", "use_triton",
+]

@@ -1,0 +1,18 @@
+"""Backbones: causal LMs with KV caches that feed the verifier logits and the draft head's hidden state.
+
+:class:`HFBackbone` wraps any ``transformers`` causal LM (Llama-style, GPT-2-style, ...) as a
+:class:`~circuits_llm.protocols.Backbone`, with an optional LoRA draft branch on the last ``k``
+decoder layers.
+"""
+
+from circuits_llm.backbone._adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterMismatchError
+from circuits_llm.backbone._arch import UnsupportedModelError
+from circuits_llm.backbone.hf import HFBackbone
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "AdapterMismatchError",
+    "HFBackbone",
+    "UnsupportedModelError",
+]

@@ -1,0 +1,120 @@
+"""Saving and loading the draft branch's LoRA adapter (safetensors weights + JSON metadata).
+
+Layout of an adapter directory::
+
+    adapter.safetensors   # LoRA tensors, keyed by their name inside the draft branch
+    adapter.json          # {"format", "version", "lora_layers", "lora_rank", ..., "config_fingerprint"}
+
+Both files are written to a temporary file in the same directory and moved into place with
+``os.replace``, so a crash never leaves a half-written adapter behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from circuits_llm.backbone.hf import HFBackbone
+
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter.json"
+_FORMAT = "circuits_llm.hf_backbone_lora"
+_VERSION = 1
+
+
+class AdapterMismatchError(ValueError):
+    """A saved adapter does not fit the backbone it is being loaded into."""
+
+
+def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then move it onto ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_adapter_from(backbone: HFBackbone, directory: Path) -> Path:
+    """Write ``backbone``'s LoRA weights and metadata into ``directory`` (created if needed).
+
+    Raises:
+        ValueError: if the backbone has no LoRA layers (nothing to save).
+    """
+    if backbone.lora_layers == 0:
+        raise ValueError("this backbone has lora_layers=0: there is no adapter to save")
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = backbone.lora_state_dict()
+    meta = {"format": _FORMAT, "version": _VERSION, **backbone.adapter_metadata()}
+    _atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp))
+
+    def write_json(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+
+    _atomic_write(directory / ADAPTER_CONFIG, write_json)
+    return directory
+
+
+def load_adapter_into(backbone: HFBackbone, directory: Path) -> None:
+    """Copy the LoRA weights saved in ``directory`` into ``backbone``'s draft branch.
+
+    Raises:
+        FileNotFoundError: if a file of the adapter is missing.
+        AdapterMismatchError: if the metadata, tensor names or shapes do not match the backbone.
+    """
+    if backbone.lora_layers == 0:
+        raise AdapterMismatchError("this backbone has lora_layers=0: it cannot hold an adapter")
+    config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"adapter file {path} does not exist (written by HFBackbone.save_adapter?)"
+            )
+    try:
+        meta = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise AdapterMismatchError(f"{config_path} is not valid JSON: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise AdapterMismatchError(f"{config_path} is not an HFBackbone adapter (format != {_FORMAT!r})")
+    if meta.get("version") != _VERSION:
+        raise AdapterMismatchError(f"{config_path} has version {meta.get('version')!r}, expected {_VERSION}")
+    expected = backbone.adapter_metadata()
+    diffs = [
+        f"{key}: saved {meta.get(key)!r}, backbone {value!r}"
+        for key, value in expected.items()
+        if meta.get(key) != value
+    ]
+    if diffs:
+        raise AdapterMismatchError(
+            f"adapter in {directory} does not match this backbone: " + "; ".join(diffs)
+        )
+    saved = load_file(str(weights_path))
+    params = dict(backbone.draft_layers.named_parameters())
+    own = {name for name in params if "lora_" in name}
+    if set(saved) != own:
+        missing, extra = sorted(own - set(saved)), sorted(set(saved) - own)
+        raise AdapterMismatchError(
+            f"adapter tensors in {weights_path} do not match: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    for name, tensor in saved.items():
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise AdapterMismatchError(
+                f"adapter tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            params[name].copy_(tensor.to(dtype=params[name].dtype, device=params[name].device))

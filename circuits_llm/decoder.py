@@ -1,0 +1,395 @@
+"""Exact speculative decoding with a circuit draft head: one backbone call per round.
+
+Round invariant (``docs/decoder-exactness.md`` proves exactness): the backbone caches
+``x_1..x_t``; ``hidden`` is the draft hidden state at ``x_t``; the next token ``c = x_{t+1}`` is
+already decided (emitted) but not cached. A round
+
+1. parameterises the circuit over the window ``(x_{t+1}, .., x_{t+n})`` from ``hidden`` and
+   *conditions it on* ``X_0 = c``;
+2. drafts ``d_1..d_{n-1}`` from that exact conditional (greedy: its max-product completion);
+3. runs ``backbone.extend([c, d_1..d_{n-1}])`` once: the verifier's ``p_1..p_n`` (``p_n`` is
+   the bonus position) and the draft hidden states at every new position;
+4. accepts ``d_k`` with probability ``min(1, p_k(d_k) / q_k(d_k))`` where ``q_k`` is the circuit's
+   exact conditional given ``c, d_1..d_{k-1}``; at the first rejection emits a token of
+   ``norm(max(0, p_k - q_k))``, otherwise a bonus token of ``p_n``;
+5. crops the caches to ``x_1..x_t, c, d_1..d_s`` and takes the hidden state at ``d_s``.
+
+So after every round ``backbone.length == len(prompt) + len(output) - 1``.
+
+The round logic is a pure function of ``(p, q, draft)`` (:func:`round_law`) followed by
+:func:`transition`; the sampler and the exact-law enumerator of the tests both call them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from circuits.compiled import CompiledCircuit
+from circuits.compiled.queries import log_prefix_conditionals
+from circuits.compiled.sampling import conditional_sample, map_state
+from circuits_llm.metrics import DecodeResult, RoundKind, RoundStats, summarize
+from circuits_llm.protocols import Backbone, BackboneStep, DraftHead
+from circuits_llm.warping import SamplingConfig, sample_token, target_probs
+
+__all__ = [
+    "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "RoundLaw",
+    "SpeculativeDecoder", "Transition", "draft_conditionals", "draft_window", "round_law",
+    "sample_outcome", "transition",
+]
+
+
+class DecoderError(ValueError):
+    """A decoder was built or called with inputs that cannot work (the message says why)."""
+
+
+class CorrectionPolicy(Enum):
+    """What a round does with the verifier's correction/bonus token.
+
+    ``EXACT``: always keep it (this decoder; lossless). ``DROP_AFTER_ACCEPT``: the MTPC paper's
+    Algorithm 2 semantics mapped onto this round structure: keep it only when no draft was
+    accepted, otherwise drop it and restart after the last accepted token. It is **biased** when
+    sampling (see ``docs/decoder-exactness.md``) and exists only as the tests' negative control.
+    """
+
+    EXACT = "exact"
+    DROP_AFTER_ACCEPT = "drop_after_accept"
+
+
+@dataclass(frozen=True)
+class RoundLaw:
+    """Everything random about one verification, given ``p``, ``q`` and the draft.
+
+    Attributes:
+        accept: (n-1,) float64, ``a_k = min(1, p_k(d_k) / q_k(d_k))`` (0 where ``q_k(d_k) = 0``).
+        fallback: (n, V) float64; row ``k < n-1``: the law of the token emitted when draft
+            ``k+1`` is the first rejected one (the residual); row ``n-1``: the bonus law ``p_n``.
+    """
+
+    accept: Tensor
+    fallback: Tensor
+
+    def outcome_probs(self) -> Tensor:
+        """(n, V): ``P[s, y]`` = probability of accepting exactly ``s`` drafts, then emitting ``y``."""
+        ones = self.accept.new_ones(1)
+        reach = torch.cat([ones, torch.cumprod(self.accept, 0)])
+        stop = torch.cat([1 - self.accept, ones])
+        return (reach * stop)[:, None] * self.fallback
+
+
+def round_law(p: Tensor, q: Tensor, draft: Tensor) -> RoundLaw:
+    """The verification law of one round (pure; no randomness).
+
+    Args:
+        p: (n, V) target (warped) probabilities at window positions ``1..n``.
+        q: (n-1, V) the draft's exact conditionals ``q(X_k | c, d_1..d_{k-1})``. A row that is not
+            a finite vector (evidence impossible under the circuit) is treated as ``0``: its draft
+            is always rejected and the residual is ``p_k`` itself, which is exact whatever the
+            draft was.
+        draft: (n-1,) long, the drafted tokens.
+
+    Returns:
+        The :class:`RoundLaw`. A residual with zero mass is replaced by ``p_k``: it only occurs
+        when ``p_k <= q_k`` everywhere, i.e. ``p_k == q_k``, where rejection has probability 0.
+    """
+    p, q = p.double(), q.double().to(p.device)
+    drafted = draft.shape[0]
+    if p.shape[0] != drafted + 1 or q.shape != (drafted, p.shape[1]):
+        raise DecoderError(f"round_law needs p (n, V), q (n-1, V), draft (n-1,); got "
+                           f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(draft.shape)}")
+    q = torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
+    rows = torch.arange(drafted, device=p.device)
+    p_d, q_d = p[rows, draft], q[rows, draft]
+    ratio = torch.where(q_d > 0, p_d / torch.where(q_d > 0, q_d, 1.0), 0.0).clamp(max=1.0)
+    residual = (p[:drafted] - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p[:drafted])
+    return RoundLaw(accept=ratio, fallback=torch.cat([residual, p[drafted:]]))
+
+
+def sample_outcome(law: RoundLaw, greedy: bool,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """Draw ``(accepted s, emitted token y)`` from a :class:`RoundLaw`.
+
+    Sequential accept tests with one uniform each (``u_k < a_k``), then one draw from the
+    fallback row ``s``. Greedy laws are deterministic (``a_k`` in {0, 1}, one-hot rows): no
+    randomness is consumed.
+    """
+    if greedy:
+        rejected = (law.accept < 1).nonzero()
+    else:
+        u = torch.rand(law.accept.shape, generator=generator, dtype=torch.float64,
+                       device=law.accept.device)
+        rejected = (u >= law.accept).nonzero()
+    accepted = int(rejected[0, 0]) if rejected.numel() else law.accept.shape[0]
+    return accepted, sample_token(law.fallback[accepted], greedy, generator)
+
+
+@dataclass(frozen=True)
+class Transition:
+    """How a round's outcome changes the decoder state.
+
+    Attributes:
+        emitted: tokens appended to the output.
+        next_token: the new ``c`` (decided, not cached).
+        keep: how many tokens of the verified block ``[c, d_1, ..]`` stay cached; the draft hidden
+            state at block index ``keep - 1`` seeds the next round.
+    """
+
+    emitted: tuple[int, ...]
+    next_token: int
+    keep: int
+
+
+def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
+               token: int) -> Transition:
+    """The state change after accepting ``accepted`` drafts and sampling ``token``."""
+    if policy is CorrectionPolicy.DROP_AFTER_ACCEPT and accepted > 0:
+        return Transition(tuple(draft[:accepted]), int(draft[accepted - 1]), accepted)
+    return Transition((*draft[:accepted], token), token, accepted + 1)
+
+
+def _window_evidence(circuit: CompiledCircuit, c: int, rows: int) -> tuple[Tensor, Tensor]:
+    x = torch.zeros(rows, circuit.num_variables, dtype=torch.long, device=circuit.device)
+    x[:, 0] = c
+    observed = torch.zeros(circuit.num_variables, dtype=torch.bool, device=circuit.device)
+    observed[0] = True
+    return x, observed
+
+
+def draft_window(circuit: CompiledCircuit, params: dict[str, Tensor], c: int, greedy: bool,
+                 generator: torch.Generator | None) -> Tensor:
+    """Draft ``d_1..d_{n-1}`` given ``X_0 = c``: (n-1,) long.
+
+    Sampling: an exact draw from ``q(X_1..X_{n-1} | X_0 = c)`` (``conditional_sample``).
+    Greedy: the max-product completion (``map_state``); any deterministic draft is correct.
+    """
+    x, observed = _window_evidence(circuit, c, 1)
+    if greedy:
+        state, _ = map_state(circuit, x, observed, params)
+    else:
+        state = conditional_sample(circuit, x, observed, generator, params)
+    return state[0, 1:]
+
+
+def draft_conditionals(circuit: CompiledCircuit, params: dict[str, Tensor], c: int,
+                       drafts: Tensor) -> Tensor:
+    """Exact conditionals ``q(X_k | X_0 = c, d_1..d_{k-1})`` for ``k = 1..n-1``.
+
+    Args:
+        params: the circuit parameters of one window (batch 1).
+        drafts: (B, n-1) long, B drafts sharing those parameters.
+
+    Returns:
+        (B, n-1, V) float64 probability vectors (NaN rows if ``X_0 = c`` is impossible).
+    """
+    x, _ = _window_evidence(circuit, c, drafts.shape[0])
+    x[:, 1:] = drafts
+    expanded = {k: v.expand(drafts.shape[0], *v.shape[1:]) for k, v in params.items()}
+    return log_prefix_conditionals(circuit, x, None, expanded)[:, 1:].double().exp()
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _wrap_model(model: object, lora_layers: int) -> Backbone:
+    """An HF causal LM -> HFBackbone; anything else that is not a Backbone is an error."""
+    if isinstance(model, Backbone):
+        return model
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedModel = ()  # type: ignore[assignment,misc]
+    if isinstance(model, PreTrainedModel):
+        from circuits_llm.backbone import HFBackbone
+        return HFBackbone(model, lora_layers=lora_layers)
+    raise DecoderError(f"backbone must implement circuits_llm.protocols.Backbone or be a Hugging "
+                       f"Face PreTrainedModel, got {type(model).__name__}")
+
+
+class AutoregressiveDecoder:
+    """Plain autoregressive decoding with a :class:`Backbone` (the benchmark baseline).
+
+    Same API, target law, cache invariant and statistics as :class:`SpeculativeDecoder`; every
+    round is one backbone call on the single token ``c``.
+
+    Args:
+        backbone: a Backbone, or an HF causal LM (wrapped in ``HFBackbone`` without LoRA).
+    """
+
+    def __init__(self, backbone: Backbone | object) -> None:
+        self.backbone = _wrap_model(backbone, 0)
+
+    @property
+    def device(self) -> torch.device:
+        """Where token tensors are created and timed: the backbone's device (CPU if unknown)."""
+        device = getattr(self.backbone, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
+
+    # ------------------------------------------------------------------ checks
+    def _prompt(self, input_ids: Tensor | Sequence[int]) -> list[int]:
+        if isinstance(input_ids, Tensor):
+            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+                raise DecoderError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+                input_ids = input_ids[0]
+            if input_ids.dim() != 1:
+                raise DecoderError(f"input_ids must have shape (L,) or (1, L) (batch size 1), "
+                                   f"got {tuple(input_ids.shape)}")
+            tokens = [int(t) for t in input_ids.tolist()]
+        else:
+            tokens = [int(t) for t in input_ids]
+        if not tokens:
+            raise DecoderError("the prompt is empty: give at least one token id")
+        vocab = self.backbone.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise DecoderError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        return tokens
+
+    @staticmethod
+    def _eos(eos_token_id: int | Sequence[int] | None) -> set[int]:
+        if eos_token_id is None:
+            return set()
+        if isinstance(eos_token_id, int):
+            return {eos_token_id}
+        if isinstance(eos_token_id, Tensor):
+            return {int(t) for t in eos_token_id.reshape(-1).tolist()}
+        return {int(t) for t in eos_token_id}
+
+    # ------------------------------------------------------------------ rounds
+    def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
+               generator: torch.Generator | None) -> tuple[Transition, BackboneStep, RoundStats]:
+        start = _now(self.device)
+        step = self.backbone.extend(torch.tensor([[c]], device=self.device))
+        p = target_probs(step.verifier_logits[0, -1], config)
+        verified = _now(self.device)
+        token = sample_token(p, config.greedy, generator)
+        end = _now(self.device)
+        stats = RoundStats(RoundKind.AUTOREGRESSIVE, 0, 0, 1, verify_s=verified - start,
+                           accept_s=end - verified, total_s=end - start)
+        return Transition((token,), token, 1), step, stats
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor | Sequence[int], max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None,
+                 eos_token_id: int | Sequence[int] | None = None) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
+
+        Args:
+            input_ids: (L,) or (1, L) token ids, or a list of ints; L >= 1.
+            max_new_tokens: exact number of tokens to generate (fewer only at EOS); >= 0.
+            temperature: 0 = greedy; > 0 samples from the warped target (HF semantics).
+            top_k, top_p: HF's top-k / nucleus filters (None = off).
+            generator: the randomness source (on the decoding device).
+            eos_token_id: stop after emitting (one of) these ids.
+
+        Returns:
+            :class:`DecodeResult`; ``tokens`` (T,) holds the new tokens only.
+        """
+        prompt = self._prompt(input_ids)
+        config = SamplingConfig(temperature, top_k, top_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise DecoderError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        eos = self._eos(eos_token_id)
+        backbone = self.backbone
+        backbone.reset()
+        hidden: Tensor | None = None
+        prefill_s, prefill_calls = 0.0, 0
+        if len(prompt) >= 2:
+            start = _now(self.device)
+            step = backbone.extend(torch.tensor([prompt[:-1]], device=self.device))
+            hidden = step.draft_hidden[:, -1]
+            prefill_s, prefill_calls = _now(self.device) - start, 1
+        c, output, rounds = prompt[-1], [], []
+        while len(output) < max_new_tokens and not eos.intersection(output):
+            base = backbone.length
+            move, step, stats = self._round(c, hidden, config, generator)
+            backbone.crop(base + move.keep)
+            hidden = step.draft_hidden[:, move.keep - 1]
+            c = move.next_token
+            output.extend(move.emitted)
+            rounds.append(stats)
+        stops = [i for i, t in enumerate(output) if t in eos]
+        output = output[: min([max_new_tokens, *(i + 1 for i in stops)])]
+        if max_new_tokens > 0:
+            backbone.crop(len(prompt) + len(output) - 1)
+        tokens = torch.tensor(output, dtype=torch.long)
+        return DecodeResult(tokens, rounds, summarize(rounds, len(output), prefill_calls, prefill_s))
+
+
+class SpeculativeDecoder(AutoregressiveDecoder):
+    """Lossless speculative decoding with a circuit draft head, one backbone call per round.
+
+    Args:
+        backbone: a :class:`Backbone`, or an HF causal LM (wrapped in ``HFBackbone`` with
+            ``lora_layers`` LoRA layers on its draft branch).
+        head: a :class:`DraftHead` whose circuit spans ``window >= 2`` variables.
+        lora_layers: only used when ``backbone`` is an HF model.
+        policy: keep :attr:`CorrectionPolicy.EXACT`; the other value is a biased negative control.
+    """
+
+    def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
+                 policy: CorrectionPolicy = CorrectionPolicy.EXACT) -> None:
+        self.backbone = _wrap_model(backbone, lora_layers)
+        if not isinstance(head, DraftHead):
+            raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead, got "
+                               f"{type(head).__name__}")
+        if head.vocab_size != self.backbone.vocab_size:
+            raise DecoderError(f"the head's vocab_size {head.vocab_size} differs from the "
+                               f"backbone's {self.backbone.vocab_size}")
+        if head.hidden_size != self.backbone.hidden_size:
+            raise DecoderError(f"the head reads hidden states of size {head.hidden_size} but the "
+                               f"backbone's are {self.backbone.hidden_size}")
+        circuit = head.circuit
+        if head.window < 2 or circuit.num_variables != head.window:
+            raise DecoderError(f"the head's window must be >= 2 (variable 0 is the known next "
+                               f"token, the rest are drafted) and match its circuit's "
+                               f"{circuit.num_variables} variables; got window={head.window}")
+        if any(int(k) != head.vocab_size for k in circuit.categories):
+            raise DecoderError(f"every circuit variable must have vocab_size={head.vocab_size} "
+                               f"categories, got {circuit.categories.tolist()}")
+        if not isinstance(policy, CorrectionPolicy):
+            raise DecoderError(f"policy must be a CorrectionPolicy, got {policy!r}")
+        self.head = head
+        self.policy = policy
+
+    @property
+    def device(self) -> torch.device:
+        """The head's circuit device (drafts and conditionals live there)."""
+        return self.head.circuit.device
+
+    def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
+               generator: torch.Generator | None) -> tuple[Transition, BackboneStep, RoundStats]:
+        if hidden is None:  # one-token prompt: nothing to parameterise the head with yet
+            return super()._round(c, hidden, config, generator)
+        circuit, clock = self.head.circuit, self.device
+        t0 = _now(clock)
+        params = self.head(hidden)
+        t1 = _now(clock)
+        draft = draft_window(circuit, params, c, config.greedy, generator)
+        t2 = _now(clock)
+        if config.greedy:  # a deterministic draft's law is a point mass on it
+            q = torch.nn.functional.one_hot(draft, self.head.vocab_size).double()
+        else:
+            q = draft_conditionals(circuit, params, c, draft[None])[0]
+        t3 = _now(clock)
+        step = self.backbone.extend(torch.cat([draft.new_tensor([c]), draft])[None])
+        p = target_probs(step.verifier_logits[0], config)
+        t4 = _now(clock)
+        accepted, token = sample_outcome(round_law(p, q, draft), config.greedy, generator)
+        move = transition(self.policy, draft.tolist(), accepted, token)
+        t5 = _now(clock)
+        stats = RoundStats(RoundKind.SPECULATIVE, int(draft.shape[0]), accepted, len(move.emitted),
+                           t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)
+        return move, step, stats

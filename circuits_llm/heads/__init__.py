@@ -1,0 +1,16 @@
+"""Circuit MTP heads: hidden states of an LLM -> parameters of a circuit over future tokens.
+
+:class:`MTPHead` implements :class:`circuits_llm.protocols.DraftHead` for any smooth, decomposable
+circuit over variables ``0 .. window-1`` (build one by name with :meth:`MTPHead.from_name`), in
+two variants (:class:`HeadVariant`): FULL (per-unit unembeddings, the MTPC paper's) and LEAN
+(the frozen LM head on per-unit low-rank transforms). Save/load: :meth:`MTPHead.save`,
+:meth:`MTPHead.load`.
+"""
+
+from circuits_llm.heads.config import FORMAT_VERSION, HeadConfig, HeadConfigError, HeadVariant
+from circuits_llm.heads.head import MTPHead, check_head_circuit, parameter_count
+
+__all__ = [
+    "FORMAT_VERSION", "HeadConfig", "HeadConfigError", "HeadVariant", "MTPHead",
+    "check_head_circuit", "parameter_count",
+]

@@ -1,0 +1,290 @@
+"""``MTPHead``: maps a hidden state to the parameters of any circuit over a window of tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from circuits import templates
+from circuits.compiled import CompiledCircuit, compile
+from circuits.compiled.folding import FoldKind
+from circuits.errors import InvalidInputError, StructureError
+from circuits.symbolic import Circuit, InputLayer, Layer, ProductLayer, SumLayer
+from circuits.templates import Architecture
+from circuits_llm.heads.config import HeadConfigError, HeadVariant, parse_variant
+from circuits_llm.heads.projections import FoldShape, FullInputs, LeanInputs, SumProjection
+
+
+def check_head_circuit(circuit: Circuit, vocab_size: int) -> int:
+    """Check that ``circuit`` can be a head's circuit and return its window ``n``.
+
+    A head's circuit has variables exactly ``0 .. n-1``, each ``Categorical(vocab_size)``, no
+    integrated (summed-out) input layers, and only normalised (softmax) parameterisations, so that
+    it is a distribution for any raw parameters the head emits. Smoothness, decomposability and a
+    single output unit are checked by :func:`circuits.compile`.
+    """
+    if not isinstance(circuit, Circuit):
+        raise StructureError(f"a head needs a circuits.Circuit, got {type(circuit).__name__}")
+    wrong = {v: c for v, c in circuit.num_categories.items() if c != vocab_size}
+    if wrong:
+        raise StructureError(
+            f"every variable of a head's circuit must be Categorical({vocab_size}) (the vocabulary "
+            f"size); variables {sorted(wrong)} have {sorted(set(wrong.values()))} categories")
+    integrated = [layer.describe() for layer in circuit.input_layers if layer.integrated]
+    if integrated:
+        raise StructureError(
+            f"a head's circuit cannot contain integrated input layers: {', '.join(integrated)}")
+    window = circuit.num_variables
+    missing = sorted(set(range(window)) - set(circuit.scope))
+    if missing:
+        raise StructureError(
+            f"a head's circuit must cover variables 0..{window - 1} exactly (variable j is the "
+            f"j-th future token); variables {missing} are missing")
+    unnormalised = [layer.describe() for layer in circuit.layers
+                    if isinstance(layer, (InputLayer, SumLayer))
+                    and not layer.parameterization.normalized]
+    if unnormalised:
+        raise StructureError(
+            "a head's circuit must use normalised (Softmax) parameterisations so that every "
+            f"parameter set is a distribution; these layers do not: {', '.join(unnormalised)}")
+    return window
+
+
+def canonical_copy(circuit: Circuit) -> Circuit:
+    """A structural copy whose layers are created in topological order, without ``initial``.
+
+    Folding orders same-depth folds by layer creation order, so two structurally equal circuits
+    built in different orders may name their folds differently. Heads compile this copy, which
+    makes fold names a function of the structure alone: a head rebuilt from a saved structure
+    (:mod:`circuits.serialization`) or template gets the same tensor names and layout.
+    """
+    new: dict[Layer, Layer] = {}
+    for layer in circuit.layers:
+        if isinstance(layer, InputLayer):
+            new[layer] = InputLayer(layer.variable, layer.num_units, layer.distribution,
+                                    layer.parameterization, integrated=layer.integrated)
+        elif isinstance(layer, SumLayer):
+            new[layer] = SumLayer([new[i] for i in layer.inputs], layer.num_units,
+                                  layer.parameterization)
+        elif isinstance(layer, ProductLayer):
+            new[layer] = ProductLayer([new[i] for i in layer.inputs], layer.kind)
+        else:
+            raise StructureError(f"a head cannot use {layer.describe()}: unknown layer type")
+    return Circuit(new[circuit.output])
+
+
+def parameter_count(variant: HeadVariant, input_units: int, sum_weights: int, hidden_size: int,
+                    vocab_size: int, input_bias: bool = True, lean_rank: int = 8) -> int:
+    """Number of trainable parameters of a head (the frozen LEAN LM head is not counted).
+
+    With ``N`` = input units (``sum F*K`` over input folds: ``n`` for FF, ``n r`` for CP / HMM /
+    BTree), ``S`` = sum weights (``sum F*K*D`` over sum folds), ``d`` = hidden size, ``V`` = vocab:
+
+    * FULL: ``N V d + N V [input_bias] + S (d + 1)``;
+    * LEAN: ``2 N d rho + N V [input_bias] + S (d + 1)``.
+    """
+    bias = input_units * vocab_size if input_bias else 0
+    sums = sum_weights * (hidden_size + 1)
+    if variant is HeadVariant.FULL:
+        return input_units * vocab_size * hidden_size + bias + sums
+    return 2 * input_units * hidden_size * lean_rank + bias + sums
+
+
+class MTPHead(nn.Module):
+    """A draft head: ``hidden`` (B, d) -> raw parameters of a circuit over ``window`` tokens.
+
+    Any smooth, decomposable, normalised circuit over variables ``0 .. n-1`` (each
+    ``Categorical(vocab_size)``) becomes a head (:func:`check_head_circuit`). Every parameterised
+    fold of the compiled circuit gets its raw parameters from the hidden state:
+
+    * input folds ``(B, F, K, V)`` logits, by the ``variant``'s unembedding (see
+      :class:`~circuits_llm.heads.projections.FullInputs` and
+      :class:`~circuits_llm.heads.projections.LeanInputs`);
+    * sum folds ``(B, F, K, D)`` raw weights, by one linear map (the paper's ``R``,
+      :class:`~circuits_llm.heads.projections.SumProjection`).
+
+    The circuit's softmax parameterisation normalises them, so
+    ``head.circuit.log_likelihood(x, params=head(hidden))`` is a normalised log-probability.
+
+    Parameter count (:meth:`num_parameters`, :func:`parameter_count`), with ``N`` input units,
+    ``S`` sum weights: FULL ``N V d + N V + S (d + 1)``; LEAN ``2 N d rho + N V + S (d + 1)``
+    (``N V`` only with ``input_bias``). For n=16, r=32, V=259, d=256 a FULL CP head has 34.1M
+    parameters (136 MB in float32) against 2.2M for LEAN with rho=8: prefer LEAN when
+    ``n r V d`` floats dominate the backbone's own size or memory, i.e. for small backbones or
+    large vocabularies.
+
+    Args:
+        circuit: the symbolic circuit; a :func:`canonical_copy` is compiled, whose own parameters
+            are frozen and unused (the head supplies every fold's parameters).
+        hidden_size: ``d``, size of the hidden state.
+        vocab_size: ``V``, categories of every variable.
+        variant: :class:`HeadVariant` (or its value).
+        lm_head_weight: (V, d) the LM's unembedding. FULL: initialises every input unit (plus
+            ``init_noise`` relative noise); optional. LEAN: the frozen shared map; required.
+        input_bias: learn a per-unit bias over the vocabulary (zero-initialised).
+        lean_rank: ``rho`` of the LEAN per-unit transforms.
+        identity_init: put ``identity_bias`` on the diagonal of every square sum fold
+            (HMM transitions, BTree inner sums), so they start near identity (Appendix E).
+        identity_bias: that diagonal bias; the diagonal weight starts at
+            ``exp(b) / (exp(b) + D - 1)`` (0.99 for b=8, D=32).
+        init_noise: FULL: std, relative to ``std(lm_head_weight)``, of the noise added to the
+            input units of variables that have several (CP components, HMM states...) so they
+            can diverge; variables with one unit (FF) start exactly at the LM head.
+        sum_init_std: std of the sum map's initial weights (0: sums start context-free).
+        dtype: float32 or float64 for parameters and outputs.
+        seed: seeds every random initialisation.
+    """
+
+    def __init__(self, circuit: Circuit, hidden_size: int, vocab_size: int,
+                 variant: HeadVariant | str = HeadVariant.FULL,
+                 lm_head_weight: Tensor | None = None, *, input_bias: bool = True,
+                 lean_rank: int = 8, identity_init: bool = False, identity_bias: float = 8.0,
+                 init_noise: float = 1e-5, sum_init_std: float = 0.0,
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size),
+                            ("lean_rank", lean_rank)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise HeadConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise HeadConfigError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        self.variant = parse_variant(variant)
+        if lm_head_weight is not None:
+            if not isinstance(lm_head_weight, Tensor) or not lm_head_weight.is_floating_point() \
+                    or tuple(lm_head_weight.shape) != (vocab_size, hidden_size):
+                got = tuple(lm_head_weight.shape) if isinstance(lm_head_weight, Tensor) else \
+                    type(lm_head_weight).__name__
+                raise HeadConfigError(
+                    f"lm_head_weight must be a float tensor of shape (vocab_size, hidden_size) = "
+                    f"({vocab_size}, {hidden_size}), got {got}")
+        elif self.variant is HeadVariant.LEAN:
+            raise HeadConfigError(
+                "the LEAN variant applies the LM head to transformed states: pass lm_head_weight "
+                f"({vocab_size}, {hidden_size}), e.g. model.get_output_embeddings().weight")
+        self.window = check_head_circuit(circuit, vocab_size)
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.input_bias = input_bias
+        self.lean_rank = lean_rank
+        self.identity_init = identity_init
+        self.identity_bias = float(identity_bias)
+        #: template the circuit came from (set by :meth:`from_name`), else None.
+        self.architecture: Architecture | None = None
+        #: the template's rank (set by :meth:`from_name`), else None.
+        self.rank: int | None = None
+        #: the symbolic circuit, as a :func:`canonical_copy` of the one given.
+        self.symbolic = canonical_copy(circuit)
+        self.circuit: CompiledCircuit = compile(self.symbolic, dtype=dtype, seed=seed)
+        self.circuit.requires_grad_(False)  # every fold is supplied externally
+
+        specs = self.circuit.parameter_specs().values()
+        inputs = [FoldShape(s.name, *s.shape, s.variables) for s in specs
+                  if s.kind is FoldKind.INPUT]
+        sums = [FoldShape(s.name, *s.shape) for s in specs if s.kind is FoldKind.SUM]
+        self.input_units = sum(fold.slots for fold in inputs)
+        self.sum_weights = sum(fold.numel for fold in sums)
+        if identity_init and not any(fold.units == fold.width for fold in sums):
+            raise HeadConfigError(
+                "identity_init=True but the circuit has no square sum layer (num_units equal to "
+                "its number of inputs) to initialise as an identity; pass identity_init=False")
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs: FullInputs | LeanInputs
+        if self.variant is HeadVariant.FULL:
+            units = {v: 0 for v in range(self.window)}
+            for fold in inputs:
+                for v in fold.variables:
+                    units[v] += fold.units
+            noisy = {v for v, count in units.items() if count > 1}
+            self.inputs = FullInputs(inputs, hidden_size, vocab_size, input_bias, lm_head_weight,
+                                     init_noise, noisy, generator, dtype)
+        else:
+            assert lm_head_weight is not None
+            self.inputs = LeanInputs(inputs, hidden_size, vocab_size, input_bias, lm_head_weight,
+                                     lean_rank, generator, dtype)
+        self.sums = SumProjection(sums, hidden_size, sum_init_std, identity_init, identity_bias,
+                                  generator, dtype)
+
+    # ------------------------------------------------------------------ construction by name
+    @classmethod
+    def from_name(cls, name: str | Architecture, window: int, rank: int, hidden_size: int,
+                  vocab_size: int, variant: HeadVariant | str = HeadVariant.FULL,
+                  lm_head_weight: Tensor | None = None, *, identity_init: bool | None = None,
+                  **options: object) -> MTPHead:
+        """A head over a named template (``ff``, ``cp``, ``hmm``, ``btree``).
+
+        ``identity_init`` defaults to True for ``hmm`` (Appendix E) and False otherwise; other
+        keyword options are those of :class:`MTPHead`. ``ff`` requires ``rank=1``. Raises
+        :class:`~circuits.errors.UnknownArchitectureError` (listing valid names) for other names
+        and :class:`HeadConfigError` for ``window < 2``.
+        """
+        architecture = templates.parse_architecture(name)
+        if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+            raise HeadConfigError(
+                f"window must be an int >= 2 (a draft of at least one token after the verified "
+                f"one), got {window!r}")
+        circuit = templates.build(architecture, num_variables=window, num_categories=vocab_size,
+                                  rank=rank)
+        if identity_init is None:
+            identity_init = architecture is Architecture.HMM
+        head = cls(circuit, hidden_size, vocab_size, variant, lm_head_weight,
+                   identity_init=identity_init, **options)  # type: ignore[arg-type]
+        head.architecture = architecture
+        head.rank = rank
+        return head
+
+    # ------------------------------------------------------------------ forward
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.sums.bias.dtype
+
+    def forward(self, hidden: Tensor) -> dict[str, Tensor]:
+        """``hidden`` (B, d) -> raw external parameters of :attr:`circuit` with batch ``B``.
+
+        Returns ``{fold name: tensor}`` for every parameterised fold: input folds ``(B, F, K, V)``
+        logits, sum folds ``(B, F, K, D)`` raw weights. ``hidden`` is cast to the head's dtype.
+        """
+        if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
+            raise InvalidInputError("hidden must be a floating-point torch.Tensor of shape (B, d)")
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise InvalidInputError(
+                f"hidden must have shape (batch, {self.hidden_size}), got {tuple(hidden.shape)}; "
+                "flatten (batch, time, d) states to (batch * time, d) first")
+        hidden = hidden.to(self.dtype)
+        return {**self.inputs(hidden), **self.sums(hidden)}
+
+    # ------------------------------------------------------------------ sizes
+    def num_parameters(self) -> int:
+        """Trainable parameters (equals :func:`parameter_count` for this head's sizes)."""
+        return sum(p.numel() for name, p in self.named_parameters()
+                   if not name.startswith("circuit."))
+
+    def expected_num_parameters(self) -> int:
+        """:func:`parameter_count` evaluated on this head's ``N``, ``S``, ``V``, ``d``."""
+        return parameter_count(self.variant, self.input_units, self.sum_weights, self.hidden_size,
+                               self.vocab_size, self.input_bias, self.lean_rank)
+
+    def extra_repr(self) -> str:
+        name = self.architecture.value if self.architecture else "custom"
+        return (f"architecture={name}, window={self.window}, rank={self.rank}, "
+                f"variant={self.variant.value}, hidden_size={self.hidden_size}, "
+                f"vocab_size={self.vocab_size}, parameters={self.num_parameters()}")
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory: str | Path) -> None:
+        """Write ``head.safetensors`` and ``head_config.json`` into ``directory`` atomically."""
+        from circuits_llm.heads.io import save_head
+        save_head(self, directory)
+
+    @classmethod
+    def load(cls, directory: str | Path, expected_hidden_size: int | None = None,
+             expected_vocab_size: int | None = None,
+             device: torch.device | str | None = None) -> MTPHead:
+        """Read a head written by :meth:`save`; checks it against the backbone's sizes.
+
+        Raises :class:`HeadConfigError` when files are missing or corrupt, or when the head's
+        hidden size or vocabulary differ from ``expected_*``.
+        """
+        from circuits_llm.heads.io import load_head
+        return load_head(directory, expected_hidden_size, expected_vocab_size, device)

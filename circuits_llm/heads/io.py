@@ -1,0 +1,175 @@
+"""Saving and loading heads: ``head.safetensors`` (tensors) + ``head_config.json`` (structure).
+
+Both files are written atomically (temporary file in the same directory, then ``os.replace``);
+the tensors first, then the config, which records the SHA-256 of the tensor file. A reader thus
+never sees a config describing tensors that are not there: a crash between the two writes, or a
+corrupted tensor file, is reported as a checksum mismatch.
+
+Named templates are stored by name and rank; custom circuits by their serialised structure
+(:mod:`circuits.serialization`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from circuits import templates
+from circuits.errors import CircuitError
+from circuits.symbolic import Circuit
+from circuits_llm.heads.config import HeadConfig, HeadConfigError, HeadVariant, parse_variant
+from circuits_llm.heads.head import MTPHead
+
+TENSORS_FILE = "head.safetensors"
+CONFIG_FILE = "head_config.json"
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def head_tensors(head: MTPHead) -> dict[str, Tensor]:
+    """The tensors that define a head: its parameters and the LEAN LM head, not the circuit's own."""
+    return {name: value for name, value in head.state_dict().items()
+            if not name.startswith("circuit.")}
+
+
+def head_config(head: MTPHead) -> HeadConfig:
+    """The :class:`HeadConfig` that rebuilds ``head``'s modules (without the checksum)."""
+    circuit = None
+    if head.architecture is None:
+        try:
+            from circuits.serialization import circuit_to_dict
+        except ImportError as error:
+            raise HeadConfigError(
+                "saving a head built from a custom circuit needs circuits.serialization "
+                f"(circuit_to_dict), which is not available: {error}") from None
+        circuit = circuit_to_dict(head.symbolic, include_parameters=False)
+    dtype = next(name for name, value in _DTYPES.items() if value == head.dtype)
+    return HeadConfig(
+        window=head.window, hidden_size=head.hidden_size, vocab_size=head.vocab_size,
+        variant=head.variant.value,
+        architecture=head.architecture.value if head.architecture else None, rank=head.rank,
+        circuit=circuit, input_bias=head.input_bias, lean_rank=head.lean_rank,
+        identity_init=head.identity_init, identity_bias=head.identity_bias, dtype=dtype)
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it over ``path``."""
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_head(head: MTPHead, directory: str | Path) -> None:
+    """Write ``head`` to ``directory`` (created if needed); see the module docstring."""
+    config = head_config(head)  # fails before anything is written
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: value.detach().cpu().contiguous() for name, value in head_tensors(head).items()}
+    tensors_path = directory / TENSORS_FILE
+    _atomic_write(tensors_path, lambda tmp: save_file(tensors, str(tmp), metadata={
+        "format_version": str(config.format_version)}))
+    config = replace(config, tensors_sha256=_sha256(tensors_path))
+    _atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(config.to_json() + "\n"))
+
+
+def _rebuild_circuit(config: HeadConfig, source: Path) -> Circuit:
+    if config.architecture is not None:
+        if config.rank is None:
+            raise HeadConfigError(f"{source} names architecture {config.architecture!r} but no rank")
+        try:
+            return templates.build(config.architecture, num_variables=config.window,
+                                   num_categories=config.vocab_size, rank=config.rank)
+        except CircuitError as error:
+            raise HeadConfigError(f"{source}: cannot rebuild the circuit: {error}") from None
+    try:
+        from circuits.serialization import circuit_from_dict
+    except ImportError as error:
+        raise HeadConfigError(
+            f"{source} holds a custom circuit; reading it needs circuits.serialization "
+            f"(circuit_from_dict), which is not available: {error}") from None
+    try:
+        return circuit_from_dict(config.circuit)
+    except (CircuitError, KeyError, TypeError, ValueError) as error:
+        raise HeadConfigError(f"{source}: the stored circuit is malformed: {error}") from None
+
+
+def _check_expected(config: HeadConfig, source: Path, hidden_size: int | None,
+                    vocab_size: int | None) -> None:
+    if hidden_size is not None and config.hidden_size != hidden_size:
+        raise HeadConfigError(
+            f"the head in {source} reads hidden states of size {config.hidden_size} but the "
+            f"backbone's hidden size is {hidden_size}; this head was trained for another model")
+    if vocab_size is not None and config.vocab_size != vocab_size:
+        raise HeadConfigError(
+            f"the head in {source} predicts {config.vocab_size} token ids but the backbone's "
+            f"vocabulary has {vocab_size}; this head was trained for another tokenizer/model")
+
+
+def load_head(directory: str | Path, expected_hidden_size: int | None = None,
+              expected_vocab_size: int | None = None,
+              device: torch.device | str | None = None) -> MTPHead:
+    """Read a head written by :func:`save_head`. Every failure is a :class:`HeadConfigError`."""
+    directory = Path(directory)
+    config_path, tensors_path = directory / CONFIG_FILE, directory / TENSORS_FILE
+    for path in (config_path, tensors_path):
+        if not path.is_file():
+            raise HeadConfigError(f"{path} does not exist; is {directory} a directory written by "
+                                  "MTPHead.save?")
+    config = HeadConfig.from_json(config_path.read_text(), str(config_path))
+    _check_expected(config, config_path, expected_hidden_size, expected_vocab_size)
+    if config.tensors_sha256 is not None and _sha256(tensors_path) != config.tensors_sha256:
+        raise HeadConfigError(
+            f"{tensors_path} does not match the checksum recorded in {config_path}: the file is "
+            "corrupt or was written by another save")
+    try:
+        tensors = load_file(str(tensors_path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise HeadConfigError(f"{tensors_path} cannot be read ({error}); the file is corrupt") \
+            from None
+    circuit = _rebuild_circuit(config, config_path)
+    variant = parse_variant(config.variant)
+    placeholder = None
+    if variant is HeadVariant.LEAN:  # the real frozen LM head comes from the tensor file
+        placeholder = torch.zeros(config.vocab_size, config.hidden_size)
+    try:
+        head = MTPHead(circuit, config.hidden_size, config.vocab_size, variant, placeholder,
+                       input_bias=config.input_bias, lean_rank=config.lean_rank,
+                       identity_init=config.identity_init, identity_bias=config.identity_bias,
+                       dtype=_DTYPES[config.dtype])
+    except CircuitError as error:
+        raise HeadConfigError(f"{config_path} describes an invalid head: {error}") from None
+    if config.architecture is not None:
+        head.architecture = templates.parse_architecture(config.architecture)
+        head.rank = config.rank
+    expected = head_tensors(head)
+    missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    wrong = sorted(name for name in set(expected) & set(tensors)
+                   if tuple(tensors[name].shape) != tuple(expected[name].shape))
+    if missing or unknown or wrong:
+        raise HeadConfigError(
+            f"{tensors_path} does not fit {config_path}: missing tensors {missing}, unexpected "
+            f"tensors {unknown}, wrong shapes {wrong}")
+    head.load_state_dict(tensors, strict=False)
+    return head.to(device) if device is not None else head

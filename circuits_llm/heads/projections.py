@@ -1,0 +1,186 @@
+"""The maps from a hidden state ``e_t`` (B, d) to raw circuit parameters, one module per role.
+
+* :class:`FullInputs`: the paper's unembedding tensor generalised to input folds: one
+  ``(K, V, d)`` block per folded input layer, logits ``W e_t + b``.
+* :class:`LeanInputs`: a shared, frozen LM head ``W_lm`` (V, d) applied to per-unit low-rank
+  transforms of ``e_t``: logits ``W_lm (e_t + U V^T e_t) + b``.
+* :class:`SumProjection`: the paper's ``R``: one linear map from ``e_t`` to the raw weights of every
+  sum fold, with an optional near-identity bias on square sum layers (Appendix E).
+
+Each input module is built from a list of :class:`FoldShape` (the input folds of a compiled
+circuit) and returns ``{fold name: (B, F, K, V)}``; the sum projection returns
+``{fold name: (B, F, K, D)}``. Every fold costs one matmul, whatever its number of slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as nnf
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class FoldShape:
+    """One parameterised fold: ``name`` and raw-parameter shape ``(F, K, D)``."""
+
+    name: str
+    folded: int
+    units: int
+    width: int
+    #: input folds: the variable of each of the ``F`` slots.
+    variables: tuple[int, ...] = ()
+
+    @property
+    def slots(self) -> int:
+        """Number of units in the fold, ``F * K``."""
+        return self.folded * self.units
+
+    @property
+    def numel(self) -> int:
+        """Number of raw parameters per row, ``F * K * D``."""
+        return self.folded * self.units * self.width
+
+
+class FullInputs(nn.Module):
+    """Per-unit unembedding matrices: ``logits[b, f, k] = W[f, k] e_b + bias[f, k]``.
+
+    Parameters per fold: ``weight`` (F, K, V, d) and, when ``bias``, ``bias`` (F, K, V). With
+    ``lm_head_weight`` (V, d) every ``W[f, k]`` starts as that matrix; units of the variables in
+    ``noisy`` (those with several input units, which would otherwise stay interchangeable) get
+    Gaussian noise of standard deviation ``init_noise * std(lm_head_weight)`` on top. Without
+    ``lm_head_weight`` entries are ``N(0, 1/d)``. Biases start at zero.
+    """
+
+    def __init__(self, folds: list[FoldShape], hidden_size: int, vocab_size: int, bias: bool,
+                 lm_head_weight: Tensor | None, init_noise: float, noisy: set[int],
+                 generator: torch.Generator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.weight = nn.ParameterDict()
+        self.bias = nn.ParameterDict()
+        for fold in folds:
+            shape = (fold.folded, fold.units, vocab_size, hidden_size)
+            value = torch.randn(shape, generator=generator, dtype=dtype)  # built in place
+            if lm_head_weight is None:
+                value.div_(math.sqrt(hidden_size))
+            else:
+                base = lm_head_weight.detach().to(device="cpu", dtype=dtype)
+                mask = torch.tensor([v in noisy for v in fold.variables], dtype=dtype)
+                value.mul_(mask[:, None, None, None] * (init_noise * float(base.std())))
+                value.add_(base)
+            self.weight[fold.name] = nn.Parameter(value)
+            if bias:
+                self.bias[fold.name] = nn.Parameter(
+                    torch.zeros(fold.folded, fold.units, vocab_size, dtype=dtype))
+
+    def forward(self, hidden: Tensor) -> dict[str, Tensor]:
+        """``hidden`` (B, d) -> ``{name: logits (B, F, K, V)}`` (one matmul per fold)."""
+        out = {}
+        batch = hidden.shape[0]
+        for name, weight in self.weight.items():
+            folded, units, vocab, dim = weight.shape
+            bias = self.bias[name].reshape(-1) if name in self.bias else None
+            logits = nnf.linear(hidden, weight.reshape(folded * units * vocab, dim), bias)
+            out[name] = logits.view(batch, folded, units, vocab)
+        return out
+
+
+class LeanInputs(nn.Module):
+    """Frozen LM head on per-unit low-rank transforms: ``logits = W_lm (e + U (V^T e)) + bias``.
+
+    Buffer ``lm_head`` (V, d), frozen (never trained, saved with the head). Parameters per fold:
+    ``down`` (F, K, d, rho) drawn ``N(0, 1/d)``, ``up`` (F, K, rho, d) zero-initialised, so every
+    unit starts exactly at the LM head; ``bias`` (F, K, V) zero-initialised when ``bias``.
+    """
+
+    def __init__(self, folds: list[FoldShape], hidden_size: int, vocab_size: int, bias: bool,
+                 lm_head_weight: Tensor, rank: int, generator: torch.Generator,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.register_buffer("lm_head", lm_head_weight.detach().to(dtype).clone())
+        self.down = nn.ParameterDict()
+        self.up = nn.ParameterDict()
+        self.bias = nn.ParameterDict()
+        for fold in folds:
+            down = torch.randn((fold.folded, fold.units, hidden_size, rank), generator=generator,
+                               dtype=torch.float64) / math.sqrt(hidden_size)
+            self.down[fold.name] = nn.Parameter(down.to(dtype))
+            self.up[fold.name] = nn.Parameter(
+                torch.zeros(fold.folded, fold.units, rank, hidden_size, dtype=dtype))
+            if bias:
+                self.bias[fold.name] = nn.Parameter(
+                    torch.zeros(fold.folded, fold.units, vocab_size, dtype=dtype))
+
+    def forward(self, hidden: Tensor) -> dict[str, Tensor]:
+        """``hidden`` (B, d) -> ``{name: logits (B, F, K, V)}``.
+
+        ``logits = W_lm e + (W_lm U) (V^T e) + bias``, with ``(B, F, K, rho)`` codes ``V^T e``. For
+        ``B <= rho`` (decoding) the codes go back to ``(B, F, K, d)`` states, then through the LM
+        head (``B F K d V`` multiply-adds); for larger ``B`` (training) ``W_lm U`` (F, K, V, rho) is
+        formed once and applied to the codes (``F K V d rho + B F K rho V``), which is ``~d/rho``
+        times cheaper. Both give the same values.
+        """
+        out = {}
+        base = nnf.linear(hidden, self.lm_head)[:, None, None, :]  # (B, 1, 1, V)
+        for name, down in self.down.items():
+            up = self.up[name]
+            codes = torch.einsum("bd,fkdr->bfkr", hidden, down)
+            if hidden.shape[0] > down.shape[-1]:
+                vocab_up = torch.einsum("fkrd,vd->fkrv", up, self.lm_head)
+                delta = torch.einsum("bfkr,fkrv->bfkv", codes, vocab_up)
+            else:
+                delta = nnf.linear(torch.einsum("bfkr,fkrd->bfkd", codes, up), self.lm_head)
+            logits = base + delta
+            if name in self.bias:
+                logits = logits + self.bias[name]
+            out[name] = logits
+        return out
+
+
+class SumProjection(nn.Module):
+    """One linear map ``e_t -> `` raw weights of every sum fold (the paper's ``R``, plus a bias).
+
+    Parameters: ``weight`` (S, d) and ``bias`` (S,), ``S = sum over sum folds of F * K * D``.
+    ``weight`` starts ``N(0, init_std^2)`` (zero by default: the sum weights start context-free),
+    ``bias`` at zero except, with ``identity_init``, ``identity_bias`` on the diagonal of every
+    square fold (``K == D``), so each such sum starts with weight
+    ``exp(b) / (exp(b) + D - 1)`` on its own input: an HMM then starts equal to a CP.
+    """
+
+    def __init__(self, folds: list[FoldShape], hidden_size: int, init_std: float,
+                 identity_init: bool, identity_bias: float, generator: torch.Generator,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.folds = tuple(folds)
+        total = sum(fold.numel for fold in folds)
+        self.weight = nn.Parameter(
+            (torch.randn((total, hidden_size), generator=generator, dtype=torch.float64)
+             * init_std).to(dtype))
+        bias = torch.zeros(total, dtype=dtype)
+        offset = 0
+        for fold in folds:
+            if identity_init and fold.units == fold.width:
+                block = bias[offset:offset + fold.numel].view(fold.folded, fold.units, fold.width)
+                block.diagonal(dim1=1, dim2=2).fill_(identity_bias)
+            offset += fold.numel
+        self.bias = nn.Parameter(bias)
+
+    def forward(self, hidden: Tensor) -> dict[str, Tensor]:
+        """``hidden`` (B, d) -> ``{name: raw weights (B, F, K, D)}`` (one matmul in all)."""
+        if not self.folds:
+            return {}
+        flat = nnf.linear(hidden, self.weight, self.bias)
+        out = {}
+        offset = 0
+        batch = hidden.shape[0]
+        for fold in self.folds:
+            out[fold.name] = flat[:, offset:offset + fold.numel].view(
+                batch, fold.folded, fold.units, fold.width)
+            offset += fold.numel
+        return out

@@ -1,0 +1,228 @@
+"""A tiny-vocabulary language model and circuit head, small enough to enumerate exactly.
+
+:class:`ToyLM` implements :class:`~circuits_llm.protocols.Backbone`: the next-token logits after a
+position are a fixed random function of the last ``order`` tokens and of the position's parity,
+so the whole target law of a few tokens can be computed by brute force. It keeps a real token
+cache with ``crop`` (a wrong rollback changes the context, hence the law), counts its forward
+calls, and can have a *draft branch*: draft hidden states that differ from the verifier's (what
+LoRA on the last layers does to a real backbone).
+
+:class:`ToyHead` implements :class:`~circuits_llm.protocols.DraftHead` for any named circuit
+template (``ff``, ``cp``, ``hmm``, ``btree``): a random affine map from the hidden state to every
+parameter tensor of the compiled circuit.
+
+Example::
+
+    lm = ToyLM(vocab_size=3, draft_branch=True)
+    head = ToyHead("btree", window=3, rank=2, hidden_size=lm.hidden_size, vocab_size=3)
+    SpeculativeDecoder(lm, head).generate([0, 1], 8, temperature=1.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from circuits.compiled import CompiledCircuit, compile
+from circuits.templates import build
+from circuits_llm.decoder import CorrectionPolicy, draft_conditionals, round_law, transition
+from circuits_llm.protocols import BackboneStep
+from circuits_llm.warping import SamplingConfig, target_probs
+
+
+class ToyLM:
+    """A Backbone whose logits depend on the last ``order`` tokens and the position parity.
+
+    Args:
+        vocab_size: ``V``.
+        hidden_size: ``d``.
+        order: how many previous tokens the next-token distribution reads (1 or 2 is typical).
+        draft_branch: when True, the draft hidden states differ from the verifier's.
+        seed: seeds every random table.
+        logit_scale: scale of the logits (larger = peakier target distributions).
+        dtype: dtype of logits and hidden states.
+    """
+
+    def __init__(self, vocab_size: int = 3, hidden_size: int = 6, order: int = 2,
+                 draft_branch: bool = False, seed: int = 0, logit_scale: float = 1.5,
+                 dtype: torch.dtype = torch.float64) -> None:
+        if vocab_size < 2 or hidden_size < 1 or order < 1:
+            raise ValueError("ToyLM needs vocab_size >= 2, hidden_size >= 1 and order >= 1")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.order = order
+        generator = torch.Generator().manual_seed(seed)
+        contexts = 2 * (vocab_size + 1) ** order  # (last tokens incl. "none") x parity
+        self.hidden_table = torch.randn(contexts, hidden_size, generator=generator, dtype=dtype)
+        self.lm_head = logit_scale * torch.randn(vocab_size, hidden_size, generator=generator,
+                                                 dtype=dtype) / hidden_size ** 0.5
+        self.draft_table = self.hidden_table + (
+            torch.randn(contexts, hidden_size, generator=generator, dtype=dtype)
+            if draft_branch else 0.0)
+        self.tokens: list[int] = []
+        self.calls = 0
+
+    # ------------------------------------------------------------------ Backbone protocol
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= len(self.tokens):
+            raise ValueError(f"cannot crop a cache of {len(self.tokens)} tokens to {length}")
+        del self.tokens[length:]
+
+    def extend(self, tokens: Tensor) -> BackboneStep:
+        """``tokens`` (1, m) -> logits (1, m, V) and draft hidden states (1, m, d)."""
+        if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] < 1:
+            raise ValueError(f"ToyLM.extend takes a (1, m) tensor with m >= 1, got {tuple(tokens.shape)}")
+        self.calls += 1
+        start = len(self.tokens)
+        self.tokens.extend(int(t) for t in tokens[0])
+        rows = torch.tensor([self._context(self.tokens[: i + 1])
+                             for i in range(start, len(self.tokens))])
+        hidden = self.hidden_table[rows]
+        return BackboneStep(verifier_logits=(hidden @ self.lm_head.T)[None],
+                            draft_hidden=self.draft_table[rows][None])
+
+    # ------------------------------------------------------------------ exact target
+    def _context(self, sequence: Sequence[int]) -> int:
+        """Row of the tables for the position after ``sequence`` (non-empty)."""
+        base = self.vocab_size + 1
+        index = 0
+        for j in range(1, self.order + 1):
+            token = sequence[-j] if j <= len(sequence) else self.vocab_size
+            index = index * base + token
+        return 2 * index + (len(sequence) % 2)
+
+    def next_token_logits(self, sequence: Sequence[int]) -> Tensor:
+        """(V,) the verifier's logits for the token after ``sequence`` (no cache involved)."""
+        return self.hidden_table[self._context(sequence)] @ self.lm_head.T
+
+
+class ToyHead(nn.Module):
+    """A DraftHead: a random affine map from hidden states to a named circuit's parameters.
+
+    Args:
+        architecture: ``"ff"``, ``"cp"``, ``"hmm"`` or ``"btree"``.
+        window: ``n``, the number of circuit variables.
+        rank: the template's rank (1 for ``ff``).
+        hidden_size, vocab_size: must match the backbone.
+        seed: seeds the circuit and the affine maps.
+        scale: scale of the produced raw parameters (larger = peakier drafts).
+        dtype: float32 or float64.
+    """
+
+    def __init__(self, architecture: str, window: int, rank: int, hidden_size: int,
+                 vocab_size: int, seed: int = 0, scale: float = 1.0,
+                 dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.window = window
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.circuit: CompiledCircuit = compile(
+            build(architecture, num_variables=window, num_categories=vocab_size, rank=rank),
+            dtype=dtype, seed=seed)
+        generator = torch.Generator().manual_seed(seed + 1)
+        self.shapes = self.circuit.parameter_shapes()
+        self.maps = nn.ParameterDict()
+        for name, shape in self.shapes.items():
+            size = shape[0] * shape[1] * shape[2]
+            weight = scale * torch.randn(size, hidden_size + 1, generator=generator, dtype=dtype)
+            self.maps[name] = nn.Parameter(weight / (hidden_size + 1) ** 0.5)
+
+    def forward(self, hidden: Tensor) -> dict[str, Tensor]:
+        """``hidden`` (B, d) -> ``{fold name: (B, F, K, D) raw parameters}``."""
+        augmented = torch.cat([hidden, hidden.new_ones(hidden.shape[0], 1)], dim=-1)
+        return {name: (augmented.to(weight.dtype) @ weight.T).view(hidden.shape[0], *self.shapes[name])
+                for name, weight in self.maps.items()}
+
+
+# ---------------------------------------------------------------------- exact laws by enumeration
+Law = dict[tuple[int, ...], float]
+
+
+def target_law(lm: ToyLM, prompt: Sequence[int], length: int, config: SamplingConfig) -> Law:
+    """The exact (warped) target law of the first ``length`` generated tokens, by brute force."""
+    law: Law = {(): 1.0}
+    for _ in range(length):
+        longer: Law = {}
+        for tokens, prob in law.items():
+            p = target_probs(lm.next_token_logits([*prompt, *tokens]), config)
+            for y in range(lm.vocab_size):
+                if p[y] > 0:
+                    longer[(*tokens, y)] = prob * float(p[y])
+        law = longer
+    return law
+
+
+def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
+                config: SamplingConfig,
+                policy: CorrectionPolicy = CorrectionPolicy.EXACT) -> Law:
+    """The exact law of the first ``length`` tokens a :class:`SpeculativeDecoder` emits.
+
+    Enumerates every branch of the algorithm with the decoder's own round functions: every draft
+    weighted by its exact draft probability (the product of :func:`draft_conditionals`), every
+    accept/reject outcome and residual or bonus token with its probability
+    (:meth:`RoundLaw.outcome_probs` of :func:`round_law`), and the resulting state
+    (:func:`transition`). The decoder state after any history is a function of the sequence
+    ``prompt + output`` (cache = all but its last token, ``c`` = its last token), which lets
+    rounds be memoised by that sequence.
+    """
+    window, vocab = head.window, lm.vocab_size
+    drafts = torch.tensor(list(itertools.product(range(vocab), repeat=window - 1)))
+    rounds: dict[tuple[int, ...], Law] = {}
+
+    def round_outcomes(sequence: tuple[int, ...]) -> Law:
+        if sequence in rounds:
+            return rounds[sequence]
+        outcomes: Law = defaultdict(float)
+        lm.reset()
+        c = sequence[-1]
+        if len(sequence) == 1:  # one-token prompt: a plain autoregressive step
+            p = target_probs(lm.extend(torch.tensor([[c]])).verifier_logits[0, -1], config)
+            for y in range(vocab):
+                outcomes[(y,)] += float(p[y])
+        else:
+            hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
+            with torch.no_grad():
+                params = head(hidden)
+            q_all = draft_conditionals(head.circuit, params, c, drafts)
+            draft_probs = q_all.gather(2, drafts[:, :, None])[:, :, 0].prod(1)
+            for draft, q, weight in zip(drafts, q_all, draft_probs.tolist(), strict=True):
+                if weight <= 0:
+                    continue
+                lm.crop(len(sequence) - 1)
+                step = lm.extend(torch.cat([torch.tensor([c]), draft])[None])
+                law = round_law(target_probs(step.verifier_logits[0], config), q, draft)
+                probs = law.outcome_probs()
+                for s, y in probs.nonzero().tolist():
+                    move = transition(policy, draft.tolist(), s, y)
+                    outcomes[move.emitted] += weight * float(probs[s, y])
+        rounds[sequence] = dict(outcomes)
+        return rounds[sequence]
+
+    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
+        result: Law = defaultdict(float)
+        for emitted, prob in round_outcomes(sequence).items():
+            if len(emitted) >= remaining:
+                result[emitted[:remaining]] += prob
+                continue
+            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
+                result[emitted + tail] += prob * tail_prob
+        return result
+
+    return dict(continuation(tuple(prompt), length)) if length > 0 else {(): 1.0}
+
+
+def total_variation(first: Law, second: Law) -> float:
+    """``0.5 * sum |first - second|`` over the union of outcomes."""
+    keys = set(first) | set(second)
+    return 0.5 * sum(abs(first.get(k, 0.0) - second.get(k, 0.0)) for k in keys)

@@ -1,0 +1,28 @@
+"""Shared pytest configuration: deterministic hypothesis, and ``import factories`` from tests/."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, settings
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:  # works with and without tests/__init__.py
+    sys.path.insert(0, _TESTS)
+
+# Tiny tensors: intra-op threads only add synchronisation cost (and contend on shared CI cores).
+torch.set_num_threads(1)
+
+# Deterministic in CI and locally: the same examples on every run, no wall-clock deadline
+# (circuit compilation time varies with machine load), no database of past failures.
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=(HealthCheck.too_slow, HealthCheck.data_too_large),
+)
+settings.load_profile("ci")
