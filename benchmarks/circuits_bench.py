@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from benchmarks import cirkit_bridge
-from benchmarks.timing import ModuleTimer, interleaved
+from benchmarks.timing import ModuleTimer, Timing, interleaved
 from circuits import Circuit, CompiledCircuit, compile
 from circuits.compiled.circuit import Trace
 from circuits.compiled.layers import FoldedInput, FoldedSum
@@ -173,9 +173,11 @@ def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator > 0 else math.inf
 
 
-def _timing_entry(seconds: float, spread: float, rows: int) -> dict[str, float]:
+def _timing_entry(timing: Timing, rows: int) -> dict[str, float]:
+    """Median seconds per call (what the ratios use), rows/s, best round and relative IQR."""
+    seconds = timing.median
     return {"seconds": seconds, "rows_per_s": rows / seconds if seconds > 0 else math.inf,
-            "spread": spread}
+            "best_seconds": timing.best, "spread": timing.spread}
 
 
 # ------------------------------------------------------------------------------------ sum layers
@@ -256,7 +258,7 @@ def cirkit_setup(case: CircuitCase, circuit: Circuit, folded: CompiledCircuit,
         native = cirkit_bridge.native_from_region_graph(case.region_graph(), "cp-t", sum_units,
                                                         input_units, categories)
         info["num_parameters"]["cirkit_native_builder"] = cirkit_bridge.symbolic_num_parameters(native)
-    except Exception as error:  # noqa: BLE001 - the cross-check is informative only
+    except Exception as error:
         info["num_parameters"]["cirkit_native_builder"] = None
         info["native_error"] = repr(error)
     counts = info["num_parameters"]
@@ -265,9 +267,11 @@ def cirkit_setup(case: CircuitCase, circuit: Circuit, folded: CompiledCircuit,
     info["native_note"] = case.native_note
     with torch.inference_mode():
         ours_ll = folded.log_likelihood(x)
-        theirs_ll = cirkit_bridge.log_likelihood(compiled, x)
+        theirs_ll = cirkit_bridge.log_likelihood_unclamped(compiled, x)
+        clamped = cirkit_bridge.log_likelihood(compiled, x) <= cirkit_bridge.LOG_CLAMP_MIN + 1e-3
     info["loglik_max_abs_diff"] = float((ours_ll - theirs_ll).abs().max())
     info["loglik_match"] = bool(torch.allclose(ours_ll, theirs_ll, rtol=1e-4, atol=1e-3))
+    info["rows_clamped_by_cirkit"] = int(clamped.sum())
     return info, compiled
 
 
@@ -322,7 +326,7 @@ def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
     if cirkit_model is not None:
         ll_candidates["cirkit"] = lambda: cirkit_bridge.log_likelihood(cirkit_model, x)
     ll = interleaved(ll_candidates, rounds=rounds)
-    result["loglik"] = {name: _timing_entry(t.median, t.spread, batch) for name, t in ll.items()}
+    result["loglik"] = {name: _timing_entry(t, batch) for name, t in ll.items()}
     result["loglik"]["folded_vs_unfolded"] = _ratio(ll["unfolded"].median, ll["folded"].median)
 
     # (a)/(c) sampling
@@ -342,8 +346,7 @@ def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
     sampling = interleaved(s_candidates, rounds=max(3, rounds // 2 + 1))
     rows = {"folded": batch, "unfolded": batch, "cirkit": cirkit_rows,
             "folded_at_cirkit_rows": cirkit_rows}
-    result["sampling"] = {name: _timing_entry(t.median, t.spread, rows[name])
-                          for name, t in sampling.items()}
+    result["sampling"] = {name: _timing_entry(t, rows[name]) for name, t in sampling.items()}
     result["sampling"]["folded_vs_unfolded"] = _ratio(sampling["unfolded"].median,
                                                       sampling["folded"].median)
     if cirkit_model is not None:
@@ -436,6 +439,10 @@ def format_table(report: dict[str, Any]) -> str:
                          f"{counts['cirkit_translated']} / cirkit builder "
                          f"{counts['cirkit_native_builder']}; LL match {info['loglik_match']} "
                          f"(max |diff| {info['loglik_max_abs_diff']:.1e})")
+            if info["rows_clamped_by_cirkit"]:
+                notes.append(f"cirkit clamps log-values at {cirkit_bridge.LOG_CLAMP_MIN:.1f} "
+                             f"({info['rows_clamped_by_cirkit']}/{entry['batch_size']} rows; the "
+                             "LL check lifts the clamp)")
             if not info["native_parameters_match"]:
                 notes.append(f"builder count differs: {info['native_note']}")
             if info.get("sampling_rows", entry["batch_size"]) != entry["batch_size"]:
@@ -456,9 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate")
     parser.add_argument("--only", nargs="*", default=None,
                         help="circuit keys to run (btree hmm random_binary_tree quad_tree)")
+    parser.add_argument("--scale", choices=("full", "tiny"), default="full",
+                        help="'tiny' runs small versions of the circuits (smoke tests)")
     args = parser.parse_args(argv)
     report = run(quick=args.quick, with_cirkit=not (args.quick or args.no_cirkit),
-                 rounds=args.rounds, only=args.only,
+                 rounds=args.rounds, only=args.only, scale=args.scale,
                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(report))
     write_json_atomic(args.out, report)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from collections.abc import Hashable
 from typing import Any, Protocol
 
@@ -52,7 +53,7 @@ def version() -> str | None:
     try:
         from importlib.metadata import version as dist_version
         return dist_version("libcirkit")
-    except Exception:  # noqa: BLE001 - any failure means "unknown"
+    except Exception:
         return None
 
 
@@ -200,8 +201,33 @@ def num_parameters(compiled: Any) -> int:
 
 
 def log_likelihood(compiled: Any, x: Tensor) -> Tensor:
-    """``(B,)`` log-likelihoods of the complete data ``x`` (B, V)."""
+    """``(B,)`` log-likelihoods of the complete data ``x`` (B, V), as cirkit computes them.
+
+    cirkit's ``lse-sum`` semiring clamps every log-value at ``LOG_CLAMP_MIN`` (about -708.4,
+    the log of the smallest float64), so circuits over many variables read -708.4.
+    """
     return compiled(x)[:, 0, 0]
+
+
+#: cirkit's floor on log-values (see :func:`log_likelihood`).
+LOG_CLAMP_MIN = -708.3964185322641
+
+
+def log_likelihood_unclamped(compiled: Any, x: Tensor) -> Tensor:
+    """:func:`log_likelihood` with cirkit's clamp of log-values lifted (for verification only).
+
+    Temporarily sets cirkit's module constant ``LOG_CLAMP_MIN`` to ``-inf``; the timed runs use
+    cirkit unmodified.
+    """
+    import cirkit.backend.torch.semiring as semiring
+    import cirkit.backend.torch.utils as utils
+
+    saved = (semiring.LOG_CLAMP_MIN, utils.LOG_CLAMP_MIN)
+    semiring.LOG_CLAMP_MIN = utils.LOG_CLAMP_MIN = -math.inf
+    try:
+        return compiled(x)[:, 0, 0]
+    finally:
+        semiring.LOG_CLAMP_MIN, utils.LOG_CLAMP_MIN = saved
 
 
 def sampler(compiled: Any) -> Any:

@@ -28,6 +28,11 @@ class Timing:
         return statistics.median(self.samples)
 
     @property
+    def best(self) -> float:
+        """The fastest round: the least disturbed by other jobs on a shared machine."""
+        return min(self.samples)
+
+    @property
     def spread(self) -> float:
         """Relative interquartile range (0 when fewer than 4 rounds): a noise indicator."""
         if len(self.samples) < 4:

@@ -15,10 +15,13 @@ from circuits.errors import (
     CircuitError,
     InvalidInputError,
     RegionGraphError,
+    SerializationError,
     StructureError,
     UnknownArchitectureError,
 )
+from circuits.operations import integrate, multiply, snapshot, square
 from circuits.parameterizations import Exp, Parameterization, Softmax
+from circuits.serialization import circuit_from_dict, circuit_to_dict, load_circuit, save_circuit
 from circuits.structure import (
     are_compatible,
     check,
@@ -39,7 +42,8 @@ from circuits.symbolic import (
 __all__ = [
     "Categorical", "Circuit", "CircuitError", "CompiledCircuit", "Exp", "InputLayer",
     "InvalidInputError", "Layer", "ParameterSpec", "Parameterization", "ProductKind",
-    "ProductLayer", "RegionGraphError", "Semiring", "Softmax", "StructureError", "SumLayer",
-    "UnknownArchitectureError", "are_compatible", "check", "compile", "is_decomposable",
-    "is_smooth", "is_structured_decomposable",
+    "ProductLayer", "RegionGraphError", "Semiring", "SerializationError", "Softmax",
+    "StructureError", "SumLayer", "UnknownArchitectureError", "are_compatible", "check",
+    "circuit_from_dict", "circuit_to_dict", "compile", "integrate", "is_decomposable", "is_smooth",
+    "is_structured_decomposable", "load_circuit", "multiply", "save_circuit", "snapshot", "square",
 ]

@@ -269,7 +269,7 @@ class _Multiplier:
             return ProductLayer(layers, hadamard), reference
         positions_b = [b.inputs.index(y) for _, y in pairs]
         if a.kind is ProductKind.KRONECKER and b.kind is ProductKind.KRONECKER:
-            strides_b = [math.prod(b.input_widths[:p]) for p in range(len(b.inputs))]
+            strides_b = [math.prod(b.input_widths[p + 1:]) for p in range(len(b.inputs))]
             first_index = torch.zeros(1, dtype=torch.long)
             second_index = torch.zeros(1, dtype=torch.long)
             for (x, y), (layer, perm), pos in zip(pairs, built, positions_b, strict=True):

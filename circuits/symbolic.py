@@ -96,6 +96,8 @@ class Layer:
         return f"{type(self).__name__}#{self.uid}(units={self.num_units}, scope={sorted(self.scope)})"
 
     def __repr__(self) -> str:
+        if not hasattr(self, "uid"):  # an __init__ that raised before the base class ran
+            return f"<unfinished {type(self).__name__}>"
         return self.describe()
 
 

@@ -35,17 +35,13 @@ from circuits.compiled.queries import log_prefix_conditionals
 from circuits.compiled.sampling import conditional_sample, map_state
 from circuits_llm.metrics import DecodeResult, RoundKind, RoundStats, summarize
 from circuits_llm.protocols import Backbone, BackboneStep, DraftHead
-from circuits_llm.warping import SamplingConfig, sample_token, target_probs
+from circuits_llm.warping import DecoderError, SamplingConfig, sample_token, target_probs
 
 __all__ = [
     "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "RoundLaw",
     "SpeculativeDecoder", "Transition", "draft_conditionals", "draft_window", "round_law",
     "sample_outcome", "transition",
 ]
-
-
-class DecoderError(ValueError):
-    """A decoder was built or called with inputs that cannot work (the message says why)."""
 
 
 class CorrectionPolicy(Enum):
@@ -246,7 +242,9 @@ class AutoregressiveDecoder:
                                    f"got {tuple(input_ids.shape)}")
             tokens = [int(t) for t in input_ids.tolist()]
         else:
-            tokens = [int(t) for t in input_ids]
+            tokens = list(input_ids) if isinstance(input_ids, Sequence) else [input_ids]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise DecoderError(f"input_ids must hold integer token ids, got {input_ids!r}")
         if not tokens:
             raise DecoderError("the prompt is empty: give at least one token id")
         vocab = self.backbone.vocab_size

@@ -25,7 +25,11 @@ import torch
 from torch import Tensor
 
 
-class SamplingError(ValueError):
+class DecoderError(ValueError):
+    """A decoder was built or called with inputs that cannot work (the message says why)."""
+
+
+class SamplingError(DecoderError):
     """A sampling option is out of its domain (the message names it and the valid range)."""
 
 

@@ -360,11 +360,13 @@ def _weights(parameterization: Parameterization, raw: np.ndarray) -> np.ndarray:
 
 
 def reference_values(circuit: Circuit, raw: RawParams, x: np.ndarray, observed: np.ndarray,
-                     semiring: str = "sum") -> np.ndarray:
+                     semiring: str = "sum",
+                     every_layer: dict[int, np.ndarray] | None = None) -> np.ndarray:
     """Output values (linear space, float64) of ``circuit`` on rows ``x`` with mask ``observed``.
 
     ``semiring="sum"`` gives probabilities (unobserved variables summed out), ``"max"`` the
     max-product value (unobserved variables maxed out; integrated layers always summed).
+    ``every_layer``, when given, receives each layer's ``(N, units)`` values by uid.
     """
     x = np.asarray(x, dtype=np.int64)
     observed = np.broadcast_to(np.asarray(observed, dtype=bool), x.shape)
@@ -397,6 +399,8 @@ def reference_values(circuit: Circuit, raw: RawParams, x: np.ndarray, observed: 
                 else:
                     result = (result[:, :, None] * other[:, None, :]).reshape(n, -1)
             values[layer.uid] = result
+    if every_layer is not None:
+        every_layer.update(values)
     out = values[circuit.output.uid]
     assert out.shape == (n, 1)
     return out[:, 0]

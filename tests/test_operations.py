@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import circuits
 from circuits import templates
+from circuits.compiled.circuit import Trace
 from circuits.errors import InvalidInputError, StructureError
 from circuits.operations import integrate, multiply, snapshot, square
 from circuits.parameterizations import Exp, Softmax
@@ -54,6 +55,7 @@ class RandomCircuit:
         self.rng = random.Random(seed)
         self.generator = torch.Generator().manual_seed(seed)
         self.categories = categories
+        self.direct = self.rng.random()  # how often a region is a bare product (no sum above)
 
     def params(self, shape: tuple[int, int]) -> tuple[Softmax | Exp, torch.Tensor]:
         parameterization = self.rng.choice([Softmax(), Exp()])
@@ -68,30 +70,32 @@ class RandomCircuit:
         parameterization, initial = self.params((width, sum(i.num_units for i in inputs)))
         return SumLayer(inputs, width, parameterization, initial)
 
-    def region(self, node: VTree, width: int) -> Layer:
+    def region(self, node: VTree, width: int | None) -> Layer:
+        """A layer over the variables of ``node`` with ``width`` units (``None``: any width)."""
         roll = self.rng.random()
         if isinstance(node, int):
+            width = width or self.rng.randint(1, 2)
             if roll < 0.5:
                 return self.input(node, width)
             if roll < 0.8:
                 return self.sum([self.input(node, self.rng.randint(1, 3)) for _ in range(2)], width)
             return ProductLayer([self.input(node, width)], ProductKind.KRONECKER)  # unary product
         products = [self.product(node) for _ in range(self.rng.choice([1, 1, 2]))]
-        if len(products) == 1 and products[0].num_units == width and roll < 0.5:
+        if len(products) == 1 and width in (None, products[0].num_units) and roll < self.direct:
             return products[0]
-        layer = self.sum(products, width)
-        return self.sum([layer], width) if roll > 0.85 else layer  # sometimes nested sums
+        layer = self.sum(products, width or self.rng.randint(1, 3))
+        return self.sum([layer], layer.num_units) if roll > 0.9 else layer  # nested sums
 
     def product(self, node: tuple[VTree, ...]) -> ProductLayer:
         children = list(node)
         self.rng.shuffle(children)
-        if self.rng.random() < 0.5:
-            width = self.rng.randint(1, 3)
-            return ProductLayer([self.region(c, width) for c in children], ProductKind.HADAMARD)
-        return ProductLayer([self.region(c, self.rng.randint(1, 2)) for c in children],
-                            ProductKind.KRONECKER)
+        if self.rng.random() < 0.5:  # Hadamard: the first child picks the common width
+            first = self.region(children[0], None)
+            rest = [self.region(c, first.num_units) for c in children[1:]]
+            return ProductLayer([first, *rest], ProductKind.HADAMARD)
+        return ProductLayer([self.region(c, None) for c in children], ProductKind.KRONECKER)
 
-    def circuit(self, vtree: VTree, width: int = 1) -> Circuit:
+    def circuit(self, vtree: VTree, width: int | None = 1) -> Circuit:
         return Circuit(self.region(vtree, width))
 
 
@@ -101,14 +105,15 @@ def all_states(categories: dict[int, int]) -> torch.Tensor:
 
 
 def unit_values(circuit: Circuit, x: torch.Tensor) -> torch.Tensor:
-    """``(B, K)`` log-values of every output unit, each read through a one-hot output sum."""
-    columns = []
-    for unit in range(circuit.output.num_units):
-        weights = torch.full((1, circuit.output.num_units), -torch.inf, dtype=torch.float64)
-        weights[0, unit] = 0.0
-        wrapped = Circuit(SumLayer([circuit.output], 1, Exp(), weights))
-        columns.append(circuits.compile(wrapped, dtype=torch.float64)(x))
-    return torch.stack(columns, dim=1).detach()
+    """``(B, K)`` log-values of every output unit, read from the trace of a wrapped circuit."""
+    width = circuit.output.num_units
+    wrapped = Circuit(SumLayer([circuit.output], 1, Exp(), torch.zeros(1, width, dtype=torch.float64)))
+    compiled = circuits.compile(wrapped, dtype=torch.float64)
+    x, observed = compiled.validate_data(x)
+    trace = Trace()
+    compiled.evaluate(x, observed, trace=trace)
+    plan = next(plan for plan in compiled.plans if circuit.output in plan.layers)
+    return trace.outputs[plan.fold_id][plan.layers.index(circuit.output)].detach()
 
 
 problems = st.fixed_dictionaries({
@@ -127,18 +132,39 @@ def setup(problem: dict) -> tuple[VTree, dict[int, int], torch.Tensor]:
 
 # ---------------------------------------------------------------------------------- multiply
 @settings(max_examples=40, deadline=None)
-@given(problem=problems, widths=st.tuples(st.integers(1, 3), st.integers(1, 3)))
-def test_multiply_matches_brute_force_unit_by_unit(problem: dict, widths: tuple[int, int]) -> None:
+@given(problem=problems, widths=st.tuples(*[st.sampled_from([None, 1, 2, 3])] * 2))
+def test_multiply_matches_brute_force_unit_by_unit(problem: dict,
+                                                 widths: tuple[int | None, int | None]) -> None:
     vtree, categories, x = setup(problem)
     first = RandomCircuit(problem["seed"] + 1, categories).circuit(vtree, widths[0])
     second = RandomCircuit(problem["seed"] + 2, categories).circuit(vtree, widths[1])
     product = multiply(first, second)
     check(product)
-    assert product.output.num_units == widths[0] * widths[1]
+    assert product.output.num_units == first.output.num_units * second.output.num_units
     assert all(isinstance(layer.parameterization, Exp)
                for layer in product.layers if isinstance(layer, (InputLayer, SumLayer)))
     expected = (unit_values(first, x)[:, :, None] + unit_values(second, x)[:, None, :]).flatten(1)
     torch.testing.assert_close(unit_values(product, x), expected, **TOL)
+
+
+def test_multiply_reorders_kronecker_units() -> None:
+    """Kronecker x Kronecker pairs come out as (i1 j1 i2 j2); the product must restore (i, j)
+    order at a bare output and under a Hadamard parent whose inputs carry such orders."""
+    categories = {v: 2 for v in range(4)}
+    one, two = RandomCircuit(0, categories), RandomCircuit(1, categories)
+    kron = ProductKind.KRONECKER
+
+    def block(maker: RandomCircuit, a: int, b: int, widths: tuple[int, int]) -> ProductLayer:
+        return ProductLayer([maker.input(a, widths[0]), maker.input(b, widths[1])], kron)
+
+    first = Circuit(ProductLayer([block(one, 0, 1, (2, 2)), block(one, 2, 3, (1, 4))],
+                                 ProductKind.HADAMARD))
+    second = Circuit(ProductLayer([block(two, 3, 2, (3, 1)), block(two, 1, 0, (1, 3))],
+                                  ProductKind.HADAMARD))
+    for a, b in ((first, second), (Circuit(first.output.inputs[0]), Circuit(second.output.inputs[1]))):
+        x = all_states({v: 2 for v in range(a.num_variables)})
+        expected = (unit_values(a, x)[:, :, None] + unit_values(b, x)[:, None, :]).flatten(1)
+        torch.testing.assert_close(unit_values(multiply(a, b), x), expected, **TOL)
 
 
 @settings(max_examples=40, deadline=None)

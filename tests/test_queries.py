@@ -24,6 +24,8 @@ from factories import (
     raw_from_compiled,
     raw_from_initial,
     reference_values,
+    region_graph_circuit,
+    region_graph_names,
     seeds,
     set_row_parameters,
 )
@@ -117,6 +119,34 @@ def test_exp_circuits_have_a_non_trivial_partition_function() -> None:
     assert not compiled.normalized
     assert abs(float(compiled.log_partition())) > 0.1
     assert_log_close(compiled.log_partition(), np.log(Exact.of(compiled).partition))
+
+
+@pytest.mark.parametrize("name", region_graph_names())
+@pytest.mark.parametrize("pattern", ["CP", "TUCKER"])
+@pytest.mark.parametrize("unnormalised", [False, True])
+def test_every_region_graph_circuit_matches_enumeration(name: str, pattern: str,
+                                                        unnormalised: bool) -> None:
+    circuit = region_graph_circuit(name, pattern, 2, 3, 3, seed=1, unnormalised=unnormalised)
+    folded = compile64(circuit)
+    unfolded = compile64(circuit, fold=False)
+    copy_parameters(folded, unfolded)
+    ex = Exact.of(folded)
+    x = torch.tensor(ex.states)
+    assert_log_close(folded.log_likelihood(x), log(ex.values))
+    assert_log_close(unfolded.log_likelihood(x), log(ex.values))
+    assert_log_close(folded.log_partition(), np.log(ex.partition))
+    rng = np.random.default_rng(0)
+    rows = random_rows(ex, rng, 6, positive=True)
+    mask = random_mask(rng, 6, circuit.num_variables)
+    expected = log(np.array([ex.marginal(rows[b], mask[b]) for b in range(6)]))
+    assert_log_close(folded.log_marginal(torch.tensor(rows), torch.tensor(mask)), expected)
+    order = [int(v) for v in rng.permutation(list(ex.scope))]
+    got = folded.log_prefix_conditionals(torch.tensor(rows[:2]), order)
+    for i, variable in enumerate(order):
+        prefix = np.zeros(circuit.num_variables, dtype=bool)
+        prefix[order[:i]] = True
+        for b in range(2):
+            assert_log_close(got[b, i], log(ex.conditional(rows[b], prefix, variable)))
 
 
 # ------------------------------------------------------------------------ marginals
@@ -268,6 +298,22 @@ def test_map_state_is_exact_on_deterministic_circuits(circuit: Circuit, seed: in
     positive = best > 0
     assert_log_close(compiled.log_likelihood(state)[torch.tensor(positive)],
                      log(best[positive]))
+
+
+@settings(max_examples=20)
+@given(circuit=deterministic_circuits())
+def test_deterministic_factory_is_deterministic(circuit: Circuit) -> None:
+    """Checks the generator the MAP test relies on: for every complete assignment, every sum
+    unit has at most one non-zero term ``w_kj * c_j(x)``."""
+    ex = Exact.of(compile64(circuit))
+    values: dict[int, np.ndarray] = {}
+    reference_values(circuit, ex.raw, ex.states, np.ones_like(ex.states, bool), every_layer=values)
+    assert circuit.sum_layers
+    for layer in circuit.sum_layers:
+        joined = np.concatenate([values[child.uid] for child in layer.inputs], axis=1)  # (S, D)
+        weights = np.exp(ex.raw[layer.uid])  # same support as the weights, either parameterisation
+        terms = np.broadcast_to(weights, (len(ex.states), *layer.parameter_shape)) * joined[:, None]
+        assert ((terms > 0).sum(-1) <= 1).all(), layer.describe()
 
 
 @settings(max_examples=40)
@@ -548,3 +594,27 @@ def test_fixed_zero_pattern_gives_minus_inf() -> None:
     ll.sum().backward()
     for p in compiled.parameters():
         assert p.grad is not None and not torch.isnan(p.grad).any()
+
+
+# ------------------------------------------------------------------------ empty batches
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_empty_batches_give_empty_results(seed: int) -> None:
+    """A batch of 0 rows (e.g. the last, empty chunk of a data loader) is not an error."""
+    compiled = compile64(random_circuit(seed, 3, 2))
+    variables = compiled.num_variables
+    x = torch.zeros(0, variables, dtype=torch.long)
+    nothing = torch.zeros(variables, dtype=torch.bool)
+    none = compiled.internal_parameters(0)
+    assert compiled.log_likelihood(x).shape == (0,)
+    assert compiled.log_likelihood(x, params=none).shape == (0,)
+    assert compiled.log_marginal(x, nothing).shape == (0,)
+    assert compiled.log_partition(none).shape == (0,)
+    assert compiled.log_conditional(x, nothing, [0]).shape == (0, 1, 2)
+    assert compiled.log_prefix_marginals(x).shape == (0, 3)
+    assert compiled.log_prefix_conditionals(x).shape == (0, 3, 2)
+    assert compiled.map_state(x, nothing)[0].shape == (0, variables)
+    assert compiled.map_state(params=none)[1].shape == (0,)
+    assert compiled.conditional_sample(x, nothing).shape == (0, variables)
+    assert compiled.sample(params=none).shape == (0, variables)

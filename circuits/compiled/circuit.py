@@ -233,7 +233,8 @@ class CompiledCircuit(nn.Module):
                 if trace is not None:
                     trace.log_params[plan.fold_id] = log_probs
             elif isinstance(module, FoldedSum):
-                inputs = gather_inputs(outputs, plan, module.index_buffers())
+                inputs = gather_inputs(outputs, plan, module.index_buffers(),
+                                       module.input_slices, module.routes)
                 joined = inputs[0] if len(inputs) == 1 else torch.cat(inputs, dim=-1)
                 log_weights = module.log_weights(params.get(plan.name))
                 out = module(joined, log_weights, semiring)
@@ -242,7 +243,8 @@ class CompiledCircuit(nn.Module):
                     trace.log_params[plan.fold_id] = log_weights
             else:
                 assert isinstance(module, FoldedProduct)
-                out = module(gather_inputs(outputs, plan, module.index_buffers()))
+                out = module(gather_inputs(outputs, plan, module.index_buffers(),
+                                           module.input_slices, module.routes))
             outputs.append(out)
         if trace is not None:
             trace.outputs = outputs
@@ -266,7 +268,8 @@ class CompiledCircuit(nn.Module):
     def log_partition(self, params: Params | None = None) -> Tensor:
         """``log Z``: a scalar, or ``(B,)`` when external parameters with batch B are given."""
         checked = self.validate_params(params, None)
-        batch = self.params_batch_size(checked) or 1
+        batch = self.params_batch_size(checked)
+        batch = 1 if batch is None else batch  # 0 parameter sets: 0 values, not 1
         x = torch.zeros(batch, self.num_variables, dtype=torch.long, device=self.categories.device)
         observed = torch.zeros_like(x, dtype=torch.bool)
         value = self.evaluate(x, observed, checked)

@@ -11,12 +11,14 @@ Two semirings are supported: :attr:`Semiring.SUM` (log-sum-exp: probabilities) a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 
 import torch
 from torch import Tensor, nn
 
-from circuits.compiled.folding import FoldPlan
+from circuits.compiled.folding import FoldPlan, InputAddress
+from circuits.kernels import TritonLogMatmul, use_triton
 from circuits.parameterizations import Parameterization
 from circuits.symbolic import InputLayer, ProductKind, SumLayer
 
@@ -75,9 +77,10 @@ class FoldedInput(nn.Module):
         # unobserved entries are never read, whatever they hold: keep them in range for indexing
         values = x[:, self.variables].clamp(0, self.num_categories - 1)  # (B, F)
         if log_probs.dim() == 3:
-            # (F, C, K) indexed by (f, value[b, f]) -> (F, B, K)
-            table = log_probs.transpose(1, 2)
-            picked = table[torch.arange(table.shape[0], device=x.device)[:, None], values.T]
+            # gather (F, K, C) at c = value[b, f] -> (F, K, B), read as a (F, B, K) view
+            fold, units = log_probs.shape[:2]
+            index = values.T[:, None, :].expand(fold, units, values.shape[0])
+            picked = log_probs.gather(2, index).transpose(1, 2)
         else:
             index = values[:, :, None, None].expand(-1, -1, log_probs.shape[2], 1)
             picked = log_probs.gather(3, index).squeeze(3).permute(1, 0, 2)
@@ -100,19 +103,58 @@ class FoldedInput(nn.Module):
         return torch.where(is_observed[:, :, None], picked, summed_out)
 
 
-def gather_inputs(outputs: list[Tensor], plan: FoldPlan, buffers: list[Tensor]) -> list[Tensor]:
-    """The fold's ``H`` inputs, each ``(F, B, K_h)``, read from earlier folds' outputs."""
+def input_slice(address: InputAddress) -> slice | None:
+    """``address.index`` as a slice of its single source fold when the slots are evenly spaced
+    (``start, start + step, ...``), so the input can be read as a view instead of a copy."""
+    index = address.index
+    if len(address.sources) != 1 or not index:
+        return None
+    step = index[1] - index[0] if len(index) > 1 else 1
+    stop = index[0] + step * len(index)
+    if step < 1 or index != tuple(range(index[0], stop, step)):
+        return None
+    return slice(index[0], stop, step)
+
+
+Routes = list[tuple[int, Tensor, Tensor]]
+
+
+def gather_inputs(outputs: list[Tensor], plan: FoldPlan, buffers: list[Tensor],
+                  slices: list[slice | None] | None = None,
+                  routes: Callable[[int], Routes] | None = None) -> list[Tensor]:
+    """The fold's ``H`` inputs, each ``(F, B, K_h)``, read from earlier folds' outputs.
+
+    ``slices`` (see :func:`input_slice`, one per input) lets evenly spaced reads be views;
+    ``routes`` (:meth:`RoutedFold.routes`) lets an input read from several folds copy only the
+    rows it uses instead of concatenating those folds whole.
+    """
     gathered = []
-    for address, index in zip(plan.inputs, buffers, strict=True):
+    for h, (address, index) in enumerate(zip(plan.inputs, buffers, strict=True)):
         if len(address.sources) == 1:
             source = outputs[address.sources[0]]
+            window = slices[h] if slices is not None else None
+            if window is not None:
+                gathered.append(source[window])  # a strided view: no copy
+                continue
             if index.shape[0] == source.shape[0] and address.index == tuple(range(index.shape[0])):
                 gathered.append(source)
                 continue
+        elif routes is not None:
+            gathered.append(_gather_routed(outputs, routes(h), index.shape[0]))
+            continue
         else:
             source = torch.cat([outputs[s] for s in address.sources], dim=0)
         gathered.append(source.index_select(0, index))
     return gathered
+
+
+def _gather_routed(outputs: list[Tensor], routes: Routes, size: int) -> Tensor:
+    """Rows ``slots`` of each source fold copied to rows ``folds`` of a new ``(size, B, K)``."""
+    first = outputs[routes[0][0]]
+    result = first.new_empty((size, *first.shape[1:]))
+    for source, folds, slots in routes:
+        result.index_copy_(0, folds, outputs[source].index_select(0, slots))
+    return result
 
 
 class RoutedFold(nn.Module):
@@ -136,6 +178,8 @@ class RoutedFold(nn.Module):
                 self.register_buffer(f"route_{h}_{source}_s", torch.tensor(slots), persistent=False)
                 routes.append((source, f"route_{h}_{source}_f", f"route_{h}_{source}_s"))
             self._routes.append(routes)
+        #: per input, a slice of its source fold when it can be read as a view (else None)
+        self.input_slices: list[slice | None] = [input_slice(a) for a in plan.inputs]
 
     def index_buffers(self) -> list[Tensor]:
         return [getattr(self, f"index_{h}") for h in range(len(self.plan.inputs))]
@@ -179,24 +223,32 @@ def log_matmul(inputs: Tensor, log_weights: Tensor) -> Tensor:
     Returns:
         (F, B, K). Both operands are shifted by their maxima before exponentiating, so nothing
         overflows; rows whose true value is 0 come out as ``-inf`` with zero (not NaN) gradients.
+        When :mod:`circuits.kernels` selects triton, one fused kernel computes the same values.
     """
-    in_max = inputs.detach().amax(-1, keepdim=True)
-    in_max = torch.where(torch.isfinite(in_max), in_max, torch.zeros_like(in_max))
-    w_max = log_weights.detach().amax(-1, keepdim=True)
-    w_max = torch.where(torch.isfinite(w_max), w_max, torch.zeros_like(w_max))
-    probs = torch.exp(inputs - in_max)
-    weights = torch.exp(log_weights - w_max)
+    if use_triton(inputs, log_weights):
+        return TritonLogMatmul.apply(inputs, log_weights)
+    # non-finite maxima (all -inf rows) shift by 0; nan_to_num avoids slow bool masks on CPU
+    in_max = torch.nan_to_num(inputs.detach().amax(-1, keepdim=True), nan=0.0, posinf=0.0,
+                              neginf=0.0)
+    w_max = torch.nan_to_num(log_weights.detach().amax(-1, keepdim=True), nan=0.0, posinf=0.0,
+                             neginf=0.0)
+    probs = (inputs - in_max).exp_()
+    weights = (log_weights - w_max).exp_()
     if weights.dim() == 3:
         total = torch.bmm(probs, weights.transpose(1, 2))  # (F, B, K)
         shift = in_max + w_max.squeeze(-1)[:, None, :]
     else:
         fold, batch, width = probs.shape
         w = weights.transpose(0, 1).reshape(fold * batch, weights.shape[2], width)
-        total = torch.bmm(w, probs.reshape(fold * batch, width, 1)).view(fold, batch, -1)
+        total = torch.bmm(w, probs.reshape(fold * batch, width, 1)).view(fold, batch, weights.shape[2])
         shift = in_max + w_max.squeeze(-1).transpose(0, 1)
-    positive = total > 0
-    safe = torch.where(positive, total, torch.ones_like(total))
-    return torch.where(positive, torch.log(safe) + shift, torch.full_like(total, -torch.inf))
+    if torch.is_grad_enabled() and (inputs.requires_grad or log_weights.requires_grad):
+        positive = total > 0  # masked so that zero rows get zero, not NaN, gradients
+        safe = torch.where(positive, total, torch.ones_like(total))
+        return torch.where(positive, torch.log(safe) + shift, torch.full_like(total, -torch.inf))
+    # no gradient needed: the same values without bool masks (log 0 = -inf; NaN -> -inf as above)
+    return torch.log(total).add_(shift).nan_to_num_(nan=-torch.inf, posinf=torch.inf,
+                                                    neginf=-torch.inf)
 
 
 class FoldedProduct(RoutedFold):
@@ -208,11 +260,17 @@ class FoldedProduct(RoutedFold):
 
     def forward(self, inputs: list[Tensor]) -> Tensor:
         """``H`` inputs ``(F, B, K_h)`` -> ``(F, B, K)``."""
+        if self.kind is ProductKind.HADAMARD and len(inputs) > 2:
+            result = inputs[0] + inputs[1]
+            for other in inputs[2:]:
+                result.add_(other)  # a fresh tensor: accumulate in place, same order of sums
+            return result
         result = inputs[0]
         for other in inputs[1:]:
             if self.kind is ProductKind.HADAMARD:
                 result = result + other
             else:
                 fold, batch = result.shape[:2]
-                result = (result[:, :, :, None] + other[:, :, None, :]).reshape(fold, batch, -1)
+                width = result.shape[2] * other.shape[2]  # explicit: a batch of 0 rows is fine
+                result = (result[:, :, :, None] + other[:, :, None, :]).reshape(fold, batch, width)
         return result

@@ -13,7 +13,8 @@ layer is not visited.
 * a chosen input unit over an unobserved variable samples a category from its distribution, or
   copies the evidence when the variable is observed.
 
-Sampling draws Gumbel noise in float64 from the caller's ``torch.Generator``; MAP replaces the
+Sampling draws float64 uniforms from the caller's ``torch.Generator``: Gumbel-max for sum units,
+inverse-CDF for categorical input units with shared parameters; MAP replaces the
 random choice by an argmax on the max-product values (exact for deterministic circuits,
 max-product/Viterbi otherwise).
 """
@@ -29,20 +30,19 @@ from circuits.compiled.circuit import CompiledCircuit, Params, Trace
 from circuits.compiled.folding import FoldKind
 from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring
 from circuits.errors import InvalidInputError
+from circuits.kernels import GumbelChooser, choose_sum_children
 from circuits.symbolic import ProductKind
 
 Chooser = Callable[[Tensor], Tensor]
 
 
 def gumbel_chooser(generator: torch.Generator | None) -> Chooser:
-    """Sample ``argmax(logits + Gumbel)``: an exact draw from ``softmax(logits)`` per row."""
+    """Sample ``argmax(logits + Gumbel)``: an exact draw from ``softmax(logits)`` per row.
 
-    def choose(logits: Tensor) -> Tensor:
-        uniform = torch.rand(logits.shape, generator=generator, dtype=torch.float64,
-                             device=logits.device)
-        return (logits.double() - torch.log(-torch.log(uniform))).argmax(-1)
-
-    return choose
+    Float64 uniforms of the logits' shape from ``generator``; the top-down pass uses the fused
+    triton step for sum folds when :mod:`circuits.kernels` selects it (same uniforms, same draw).
+    """
+    return GumbelChooser(generator)
 
 
 def argmax_chooser(logits: Tensor) -> Tensor:
@@ -57,6 +57,36 @@ def _rows(table: Tensor, unit: Tensor) -> Tensor:
         return table[folds, unit]
     rows = torch.arange(batch, device=unit.device)[None, :]
     return table[rows, folds, unit]
+
+
+def _choose_categories(choose: Chooser, table: Tensor, unit: Tensor) -> Tensor:
+    """Input units' choices ``(F, B)``, each from row ``unit[f, b]`` of their log-probabilities.
+
+    For a table shared by the batch, ``(F, K, C)``, the ``(F, B, C)`` rows are never built: MAP
+    takes the table's row-wise argmax once, and sampling inverts each row's CDF with one float64
+    uniform per draw instead of ``C`` Gumbel variables (the same exact distribution).
+    """
+    if table.dim() == 3:
+        if choose is argmax_chooser:
+            folds = torch.arange(unit.shape[0], device=unit.device)[:, None]
+            return table.argmax(-1)[folds, unit]
+        if isinstance(choose, GumbelChooser):
+            return _inverse_cdf(table, unit, choose.uniforms(tuple(unit.shape), unit.device))
+    return choose(_rows(table, unit))
+
+
+def _inverse_cdf(table: Tensor, unit: Tensor, uniforms: Tensor) -> Tensor:
+    """Category ``c`` of row ``unit[f, b]`` of ``softmax(table)`` with ``cdf[c-1] <= u < cdf[c]``.
+
+    Row ``k`` of each fold's CDF is shifted to ``[k, k + 1]`` so one batched ``searchsorted`` over
+    the fold's ``K * C`` sorted values serves every row (float64: ~1e-13 resolution for K < 1e3).
+    """
+    fold, units, size = table.shape
+    cdf = torch.softmax(table.double(), -1).cumsum_(-1)
+    cdf = cdf / cdf[..., -1:]  # the last entry is exactly 1, so the shifted rows stay sorted
+    cdf = cdf + torch.arange(units, dtype=cdf.dtype, device=cdf.device)[:, None]
+    position = torch.searchsorted(cdf.view(fold, units * size), unit + uniforms, right=True)
+    return (position - unit * size).clamp_(0, size - 1)
 
 
 def _send(chosen: list[Tensor], routes: list[tuple[int, Tensor, Tensor]], unit: Tensor) -> None:
@@ -81,18 +111,15 @@ def descend(circuit: CompiledCircuit, trace: Trace, x: Tensor, observed: Tensor,
         active = selected >= 0
         unit = selected.clamp(min=0)
         if isinstance(module, FoldedInput):
-            values = choose(_rows(trace.log_params[plan.fold_id], unit))  # (F, B)
+            values = _choose_categories(choose, trace.log_params[plan.fold_id], unit)  # (F, B)
             variables = module.variables
             evidence = x[:, variables].T
             values = torch.where(observed[:, variables].T, evidence, values)
             values = torch.where(active & ~module.integrated[:, None], values, -1)
             result.scatter_reduce_(1, variables[None, :].expand(batch, -1), values.T, "amax")
         elif isinstance(module, FoldedSum):
-            logits = _rows(trace.log_params[plan.fold_id], unit)
-            inputs = trace.sum_inputs.get(plan.fold_id)
-            if inputs is not None:
-                logits = logits + inputs
-            child = choose(logits)
+            child = choose_sum_children(choose, trace.log_params[plan.fold_id], selected,
+                                        trace.sum_inputs.get(plan.fold_id))  # (F, B) or -1
             start = 0
             for h, width in enumerate(plan.input_widths):
                 inside = active & (child >= start) & (child < start + width)
@@ -191,7 +218,8 @@ def map_state(circuit: CompiledCircuit, x: Tensor | None = None, observed: Tenso
     """
     checked = circuit.validate_params(params, None)
     if x is None:
-        batch = circuit.params_batch_size(checked) or 1
+        batch = circuit.params_batch_size(checked)
+        batch = 1 if batch is None else batch
         x = torch.zeros(batch, circuit.num_variables, dtype=torch.long,
                         device=circuit.categories.device)
         if observed is None:

@@ -18,6 +18,7 @@ from circuits.kernels.backend import (
     KernelBackend,
     KernelBackendError,
     interpreter_enabled,
+    interpreter_usable,
     parse_backend,
     requested_backend,
     reset_triton_import_cache,
@@ -41,8 +42,8 @@ from circuits.kernels.ops import (
 
 __all__ = [
     "ENV_VAR", "GumbelChooser", "KernelBackend", "KernelBackendError", "TritonLogMatmul",
-    "choose_sum_children", "gumbel_argmax", "interpreter_enabled", "log_matmul",
-    "log_matmul_backward", "parse_backend", "requested_backend", "reset_triton_import_cache",
+    "choose_sum_children", "gumbel_argmax", "interpreter_enabled", "interpreter_usable",
+    "log_matmul", "log_matmul_backward", "parse_backend", "requested_backend", "reset_triton_import_cache",
     "resolve_backend", "rows_of", "set_backend", "sum_child_choice", "triton_available",
     "triton_import_error", "use_backend", "use_triton",
 ]

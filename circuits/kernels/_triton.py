@@ -1,8 +1,8 @@
 """The triton kernels and their launchers (imported only when a triton path actually runs).
 
 Kernels are plain functions compiled with ``triton.jit`` on first use, once per interpreter mode
-(``TRITON_INTERPRET`` is read by ``triton.jit`` when it wraps a function, so building them lazily
-lets a process that sets it late, e.g. a test, still get interpreted kernels). Every kernel
+(``triton.jit`` reads ``TRITON_INTERPRET`` when it wraps a function; the interpreter also needs it
+set before triton itself is imported, see :func:`circuits.kernels.interpreter_usable`). Every kernel
 flattens its whole grid into program axis 0 (no 65535 limit on the other axes) and takes element
 strides, so expanded (stride-0) and other non-contiguous views are read in place.
 
@@ -80,44 +80,51 @@ def _lse_matmul_shared_kernel(x_ptr, w_ptr, out_ptr, B, K, D,
 
 def _lse_matvec_rows_kernel(x_ptr, w_ptr, out_ptr, B, K, D,
                             sxf, sxb, sxd, swb, swf, swk, swd, sof, sob, sok,
-                            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (fold, row, unit block) tile of the per-row variant: weights differ per row."""
+                            BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (fold, row block, unit block) tile of the per-row variant: weights differ per row.
+
+    Tiles are 3-D ``(BLOCK_B, BLOCK_K, BLOCK_D)``: no weight is shared between rows, so this is
+    a batched matrix-vector product reduced over the last axis.
+    """
     pid = tl.program_id(0)
+    num_b = tl.cdiv(B, BLOCK_B)
     num_k = tl.cdiv(K, BLOCK_K)
-    row = pid // num_k
-    f = (row // B).to(tl.int64)
-    b = (row % B).to(tl.int64)
-    offs_k = (pid % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
-    x_row = x_ptr + f * sxf + b * sxb
-    w_rows = w_ptr + b * swb + f * swf + offs_k[:, None].to(tl.int64) * swk  # (BLOCK_K, 1)
+    f = (pid // (num_b * num_k)).to(tl.int64)
+    rest = pid % (num_b * num_k)
+    offs_b = (rest // num_k) * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_k = (rest % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_bk = (offs_b < B)[:, None, None] & (offs_k < K)[None, :, None]  # (BLOCK_B, BLOCK_K, 1)
+    rows_b = offs_b.to(tl.int64)[:, None, None]
+    x_rows = x_ptr + f * sxf + rows_b * sxb  # (BLOCK_B, 1, 1)
+    w_rows = w_ptr + f * swf + rows_b * swb + offs_k.to(tl.int64)[None, :, None] * swk
     dtype = out_ptr.dtype.element_ty
     neg_inf = float("-inf")
-    x_max = tl.full([1], neg_inf, dtype)
-    w_max = tl.full([BLOCK_K], neg_inf, dtype)
+    x_max = tl.full([BLOCK_B, 1], neg_inf, dtype)
+    w_max = tl.full([BLOCK_B, BLOCK_K], neg_inf, dtype)
     for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
+        offs_d = (d0 + tl.arange(0, BLOCK_D))[None, None, :]
         mask_d = offs_d < D
-        xt = tl.load(x_row + offs_d[None, :] * sxd, mask=mask_d[None, :], other=neg_inf)
-        wt = tl.load(w_rows + offs_d[None, :] * swd, mask=mask_k[:, None] & mask_d[None, :],
-                     other=neg_inf)
-        x_max = tl.maximum(x_max, tl.max(xt, axis=1))
-        w_max = tl.maximum(w_max, tl.max(wt, axis=1))
+        xt = tl.load(x_rows + offs_d * sxd, mask=(offs_b < B)[:, None, None] & mask_d,
+                     other=neg_inf)  # (BLOCK_B, 1, BLOCK_D)
+        wt = tl.load(w_rows + offs_d * swd, mask=mask_bk & mask_d, other=neg_inf)
+        x_max = tl.maximum(x_max, tl.max(xt, axis=2))
+        w_max = tl.maximum(w_max, tl.max(wt, axis=2))
     x_max = tl.where((x_max > neg_inf) & (x_max < float("inf")), x_max, 0.0)
     w_max = tl.where((w_max > neg_inf) & (w_max < float("inf")), w_max, 0.0)
-    acc = tl.zeros([BLOCK_K], dtype)
+    acc = tl.zeros([BLOCK_B, BLOCK_K], dtype)
     for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
+        offs_d = (d0 + tl.arange(0, BLOCK_D))[None, None, :]
         mask_d = offs_d < D
-        xt = tl.load(x_row + offs_d[None, :] * sxd, mask=mask_d[None, :], other=neg_inf)
-        wt = tl.load(w_rows + offs_d[None, :] * swd, mask=mask_k[:, None] & mask_d[None, :],
+        xt = tl.load(x_rows + offs_d * sxd, mask=(offs_b < B)[:, None, None] & mask_d,
                      other=neg_inf)
-        p = tl.exp(xt - x_max[:, None])  # (1, BLOCK_D)
-        q = tl.exp(wt - w_max[:, None])  # (BLOCK_K, BLOCK_D)
-        acc += tl.sum(q * p, axis=1)
+        wt = tl.load(w_rows + offs_d * swd, mask=mask_bk & mask_d, other=neg_inf)
+        p = tl.exp(xt - x_max[:, :, None])  # (BLOCK_B, 1, BLOCK_D)
+        q = tl.exp(wt - w_max[:, :, None])  # (BLOCK_B, BLOCK_K, BLOCK_D)
+        acc += tl.sum(q * p, axis=2)
     positive = acc > 0
     result = tl.where(positive, tl.log(tl.where(positive, acc, 1.0)) + x_max + w_max, neg_inf)
-    tl.store(out_ptr + f * sof + b * sob + offs_k * sok, result.to(dtype), mask=mask_k)
+    out = out_ptr + f * sof + offs_b.to(tl.int64)[:, None] * sob + offs_k[None, :] * sok
+    tl.store(out, result.to(dtype), mask=(offs_b < B)[:, None] & (offs_k < K)[None, :])
 
 
 def _gumbel_sum_choice_kernel(w_ptr, x_ptr, u_ptr, unit_ptr, out_ptr, B, D,
@@ -197,8 +204,10 @@ def lse_matvec_rows(x: Tensor, logw: Tensor, blocks: Blocks | None = None) -> Te
     out = torch.empty(fold, batch, units, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    sizes = {"BLOCK_K": _block(units, 16, 64), "BLOCK_D": _block(width, 16, 64), **(blocks or {})}
-    grid = (fold * batch * triton.cdiv(units, sizes["BLOCK_K"]),)
+    block_k, block_d = _block(units, 16, 64), _block(width, 16, 64)
+    block_b = _block(batch, 1, max(1, 8192 // (block_k * block_d)))
+    sizes = {"BLOCK_B": block_b, "BLOCK_K": block_k, "BLOCK_D": block_d, **(blocks or {})}
+    grid = (fold * triton.cdiv(batch, sizes["BLOCK_B"]) * triton.cdiv(units, sizes["BLOCK_K"]),)
     kernels().rows[grid](x, logw, out, batch, units, width, *x.stride(), *logw.stride(),
                          *out.stride(), **sizes)
     return out

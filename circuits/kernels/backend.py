@@ -131,6 +131,17 @@ def interpreter_enabled() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def interpreter_usable() -> bool:
+    """Whether interpreted kernels can run: ``TRITON_INTERPRET`` was already set when triton was
+    imported (triton's own library functions, e.g. ``tl.max``, are built at import time)."""
+    if not interpreter_enabled():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.max, InterpretedFunction)
+
+
 def _triton_obstacle(tensors: tuple[Tensor, ...]) -> str | None:
     """Why the triton kernels cannot run on these tensors, or ``None`` when they can."""
     error = triton_import_error()
@@ -147,11 +158,15 @@ def _triton_obstacle(tensors: tuple[Tensor, ...]) -> str | None:
     if device == "cuda":
         return None
     if device == "cpu":
-        if interpreter_enabled():
+        if interpreter_usable():
             return None
+        if interpreter_enabled():
+            return ("TRITON_INTERPRET=1 was set after this process imported triton, so its "
+                    "interpreter cannot run: set it in the command's environment (before anything "
+                    "imports triton), or use KernelBackend.TORCH")
         return ("the tensors are on the CPU, where triton kernels only run under its interpreter: "
-                "set TRITON_INTERPRET=1 before the first kernel call (slow, for testing), move the "
-                "tensors to CUDA, or use KernelBackend.TORCH")
+                "start the process with TRITON_INTERPRET=1 (slow, for testing), move the tensors "
+                "to CUDA, or use KernelBackend.TORCH")
     return f"triton kernels do not run on {device!r} tensors"
 
 

@@ -1,0 +1,3 @@
+from circuits_llm.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""The ``circuits-llm`` command line: pretrain, export-model (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from circuits_llm.pretrain import ModelShape, PretrainConfig, run_pretraining
+    torch.set_num_threads(args.threads)
+    config = PretrainConfig(
+        model=ModelShape(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                         intermediate_size=args.intermediate_size),
+        seq_len=args.seq_len, batch_size=args.batch_size, learning_rate=args.lr,
+        total_steps=args.total_steps, seed=args.seed, eval_every=args.eval_every,
+        max_train_bytes=args.max_train_bytes)
+    minutes = args.minutes
+    result = run_pretraining(config, args.run_dir, max_seconds=None if minutes is None else minutes * 60)
+    print(json.dumps(result.__dict__, indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from circuits_llm.pretrain import export_model
+    card = export_model(args.run_dir, args.out, test_windows=args.test_windows)
+    card.pop("history", None)
+    print(json.dumps(card, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="circuits-llm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    pre = sub.add_parser("pretrain", help="pretrain the byte-level Llama on the stdlib (resumable)")
+    pre.add_argument("--run-dir", type=Path, default=Path("runs/pretrain"))
+    pre.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
+    pre.add_argument("--total-steps", type=int, default=4000)
+    pre.add_argument("--batch-size", type=int, default=16)
+    pre.add_argument("--seq-len", type=int, default=256)
+    pre.add_argument("--lr", type=float, default=2e-3)
+    pre.add_argument("--hidden-size", type=int, default=256)
+    pre.add_argument("--layers", type=int, default=4)
+    pre.add_argument("--heads", type=int, default=8)
+    pre.add_argument("--intermediate-size", type=int, default=688)
+    pre.add_argument("--eval-every", type=int, default=200)
+    pre.add_argument("--max-train-bytes", type=int, default=None)
+    pre.add_argument("--seed", type=int, default=0)
+    pre.add_argument("--threads", type=int, default=2)
+    pre.set_defaults(run=_pretrain)
+    exp = sub.add_parser("export-model", help="write the best pretraining checkpoint as an HF model")
+    exp.add_argument("--run-dir", type=Path, default=Path("runs/pretrain"))
+    exp.add_argument("--out", type=Path, default=Path(__file__).parent / "embedded" / "byte-llama")
+    exp.add_argument("--test-windows", type=int, default=512)
+    exp.set_defaults(run=_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""benchmarks.decoder_bench on tiny sizes: JSON schema, exactness of greedy decoding, tools."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.decoder_bench import (
+    PHASES,
+    SCHEMA_VERSION,
+    BenchConfig,
+    build_model,
+    format_tables,
+    run_benchmark,
+    write_json,
+)
+from benchmarks.spec_tools import ForcedAcceptance
+from circuits_llm.backbone import HFBackbone
+from circuits_llm.decoder import SpeculativeDecoder
+from circuits_llm.heads import MTPHead
+
+TINY = BenchConfig(hidden_size=16, layers=2, attention_heads=2, intermediate_size=32,
+                   architectures=("ff", "btree"), windows=(4,), rank=2, variants=("lean", "full"),
+                   prompt_tokens=12, new_tokens=7, repeats=1, timing_rounds=1, threads=1)
+DECODE_KEYS = {"new_tokens", "rounds", "tokens_per_call", "tokens_per_round", "acceptance_rate",
+               "acceptance_by_position", "mean_latency_s", "mean_split_s", "throughput_tok_s"}
+
+
+def test_tiny_run_schema_and_greedy_exactness(tmp_path: Path) -> None:
+    result = run_benchmark(TINY, log=lambda _line: None)
+    path = tmp_path / "out" / "bench.json"
+    write_json(result, path)
+    loaded = json.loads(path.read_text())
+    assert not list(path.parent.glob("*.tmp"))
+    assert loaded["schema_version"] == SCHEMA_VERSION
+    assert {"machine", "model", "config", "note", "backbone_s", "heads", "target", "profile"} \
+        <= set(loaded)
+    assert loaded["machine"]["torch_threads"] == 1 and "random weights" in loaded["note"]
+    assert loaded["model"]["parameters"] == sum(
+        p.numel() for p in build_model(TINY).parameters())
+    assert {"verify_4", "ar_step"} == set(loaded["backbone_s"])
+    assert loaded["target"] is None  # no btree n=16 r=32 head at these sizes
+    assert loaded["profile"]["head"].startswith("btree n=4")
+    heads = loaded["heads"]
+    assert [(h["architecture"], h["variant"]) for h in heads] == [
+        ("ff", "lean"), ("ff", "full"), ("btree", "lean"), ("btree", "full")]
+    for head in heads:
+        assert set(PHASES) <= set(head["phases_s"])
+        assert all(head["phases_s"][k] > 0 for k in PHASES)
+        assert head["phases_s"]["conditionals_shared_max_abs_diff"] < 1e-5
+        assert head["round_over_verify"]["sampling"] > 0
+        for mode in ("greedy", "sampling"):
+            decode = head["decode"][mode]
+            for name in ("autoregressive", "speculative", "forced"):
+                assert set(decode[name]) >= DECODE_KEYS
+                assert decode[name]["new_tokens"] == TINY.new_tokens
+            assert decode["forced"]["acceptance_rate"] == 1.0
+            assert "speedup_vs_ar" in decode["speculative"]
+        assert head["decode"]["greedy"]["matches_ar"] is True
+    table = format_tables(loaded)
+    assert "btree n=4 full" in table and "forced" in table
+
+
+def test_forced_acceptance_accepts_every_draft() -> None:
+    model = build_model(TINY)
+    backbone = HFBackbone(model)
+    weight = model.get_output_embeddings().weight.detach()
+    head = MTPHead.from_name("cp", 3, 2, TINY.hidden_size, TINY.vocab_size, "lean", weight)
+    decoder = SpeculativeDecoder(ForcedAcceptance(backbone), head)
+    result = decoder.generate(list(range(5)), 9, temperature=1.0,
+                              generator=torch.Generator().manual_seed(0))
+    assert result.summary.rounds == 3 and result.summary.acceptance_rate == 1.0
