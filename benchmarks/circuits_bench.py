@@ -16,6 +16,11 @@ the candidates timed round-robin (medians of repeats; see :mod:`benchmarks.timin
 
 Results are printed as a table and written atomically as JSON (default
 ``benchmarks/results/circuits_bench.json``).
+
+Run as a script it sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set) before torch loads: on a machine
+whose cores are oversubscribed, OpenMP threads that spin at barriers wait for descheduled peers,
+which made 2-thread timings 20-60x slower and unrelated to the code being measured. The policy
+applies to every candidate alike and is recorded in the JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":  # before torch (and its OpenMP runtime) is loaded
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -57,6 +65,9 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "circuits_bench.json
 #: cirkit's sampler materialises (input folds, units, samples, variables) int64 tensors; above
 #: this many bytes we sample fewer rows from cirkit (and from ours, for a like-for-like ratio).
 CIRKIT_SAMPLING_BYTES = 600 * 2**20
+
+#: ``--quick`` times the unfolded reference only for circuits with at most this many layers.
+QUICK_UNFOLDED_FOLDS = 2000
 
 TARGETS = {"sum_vs_bmm": 0.6, "loglik_vs_cirkit": 3.0, "sampling_vs_cirkit": 10.0}
 
@@ -150,7 +161,8 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "logical_cpus": os.cpu_count(),
+            "logical_cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "note": "2 CPU cores shared with other jobs: only the ratios of one run are meaningful"}
 
 
@@ -181,7 +193,8 @@ def _timing_entry(timing: Timing, rows: int) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------ sum layers
-def sum_layer_benchmark(compiled: CompiledCircuit, x: torch.Tensor, rounds: int) -> dict[str, Any]:
+def sum_layer_benchmark(compiled: CompiledCircuit, x: torch.Tensor, rounds: int,
+                        warmup: int = 1) -> dict[str, Any]:
     """The folded sum layers in isolation vs ``torch.bmm`` on the same shapes.
 
     Every sum fold is run on the inputs and log-weights a real log-likelihood pass gives it; the
@@ -216,7 +229,7 @@ def sum_layer_benchmark(compiled: CompiledCircuit, x: torch.Tensor, rounds: int)
         for left, right in operands:
             torch.bmm(left, right)
 
-    timings = interleaved({"sum_layers": run_sums, "bmm": run_bmm}, rounds=rounds)
+    timings = interleaved({"sum_layers": run_sums, "bmm": run_bmm}, rounds=rounds, warmup=warmup)
     t_sum, t_bmm = timings["sum_layers"].median, timings["bmm"].median
     return {"flops": flops, "folds": folds,
             "sum_seconds": t_sum, "bmm_seconds": t_bmm,
@@ -286,8 +299,14 @@ def cirkit_sampling_rows(folded: CompiledCircuit, batch: int) -> int:
 
 # ------------------------------------------------------------------------------------ benchmark
 def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
-                  with_cirkit: bool = True, seed: int = 0) -> dict[str, Any]:
-    """All measurements of one circuit (see the module docstring)."""
+                  with_cirkit: bool = True, seed: int = 0, warmup: int = 1,
+                  time_unfolded_up_to: int | None = None) -> dict[str, Any]:
+    """All measurements of one circuit (see the module docstring).
+
+    ``warmup`` untimed calls precede each candidate's rounds (one calibration call always does).
+    The unfolded reference is always checked numerically, but timed only when it has at most
+    ``time_unfolded_up_to`` folds (None: always).
+    """
     start = time.perf_counter()
     circuit = case.build()
     folded = compile(circuit, seed=seed)
@@ -319,22 +338,23 @@ def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
         cirkit_info = {"installed": cirkit_bridge.available(), "note": "skipped (--no-cirkit/--quick)"}
 
     # (a)/(c) log-likelihood, all candidates interleaved
-    ll_candidates: dict[str, Callable[[], object]] = {
-        "folded": lambda: folded.log_likelihood(x),
-        "unfolded": lambda: unfolded.log_likelihood(x),
-    }
+    time_unfolded = time_unfolded_up_to is None or len(unfolded.plans) <= time_unfolded_up_to
+    ll_candidates: dict[str, Callable[[], object]] = {"folded": lambda: folded.log_likelihood(x)}
+    if time_unfolded:
+        ll_candidates["unfolded"] = lambda: unfolded.log_likelihood(x)
     if cirkit_model is not None:
         ll_candidates["cirkit"] = lambda: cirkit_bridge.log_likelihood(cirkit_model, x)
-    ll = interleaved(ll_candidates, rounds=rounds)
+    ll = interleaved(ll_candidates, rounds=rounds, warmup=warmup)
     result["loglik"] = {name: _timing_entry(t, batch) for name, t in ll.items()}
-    result["loglik"]["folded_vs_unfolded"] = _ratio(ll["unfolded"].median, ll["folded"].median)
+    result["loglik"]["folded_vs_unfolded"] = (
+        _ratio(ll["unfolded"].median, ll["folded"].median) if time_unfolded else None)
 
     # (a)/(c) sampling
     sample_gen = torch.Generator().manual_seed(seed + 1)
     s_candidates: dict[str, Callable[[], object]] = {
-        "folded": lambda: folded.sample(batch, generator=sample_gen),
-        "unfolded": lambda: unfolded.sample(batch, generator=sample_gen),
-    }
+        "folded": lambda: folded.sample(batch, generator=sample_gen)}
+    if time_unfolded:
+        s_candidates["unfolded"] = lambda: unfolded.sample(batch, generator=sample_gen)
     cirkit_rows = batch
     if cirkit_model is not None:
         cirkit_rows = cirkit_sampling_rows(folded, batch)
@@ -343,12 +363,13 @@ def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
         if cirkit_rows != batch:
             s_candidates["folded_at_cirkit_rows"] = lambda: folded.sample(cirkit_rows,
                                                                           generator=sample_gen)
-    sampling = interleaved(s_candidates, rounds=max(3, rounds // 2 + 1))
+    sampling_rounds = rounds if rounds <= 3 else rounds // 2 + 1  # the unfolded one is slow
+    sampling = interleaved(s_candidates, rounds=sampling_rounds, warmup=warmup)
     rows = {"folded": batch, "unfolded": batch, "cirkit": cirkit_rows,
             "folded_at_cirkit_rows": cirkit_rows}
     result["sampling"] = {name: _timing_entry(t, rows[name]) for name, t in sampling.items()}
-    result["sampling"]["folded_vs_unfolded"] = _ratio(sampling["unfolded"].median,
-                                                      sampling["folded"].median)
+    result["sampling"]["folded_vs_unfolded"] = (
+        _ratio(sampling["unfolded"].median, sampling["folded"].median) if time_unfolded else None)
     if cirkit_model is not None:
         result["loglik"]["folded_vs_cirkit"] = _ratio(ll["cirkit"].median, ll["folded"].median)
         ours = "folded_at_cirkit_rows" if cirkit_rows != batch else "folded"
@@ -358,7 +379,7 @@ def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
     result["cirkit"] = cirkit_info
 
     # (b) sum layers
-    result["sum_layers"] = sum_layer_benchmark(folded, x, rounds)
+    result["sum_layers"] = sum_layer_benchmark(folded, x, rounds, warmup)
     result["sum_layers"].update(sum_share(folded, x, rounds))
     result["seconds"] = time.perf_counter() - start
     return result
@@ -369,13 +390,14 @@ def run(*, quick: bool = False, with_cirkit: bool = True, scale: str = "full",
         only: list[str] | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Benchmark every case; returns the JSON-ready report."""
     torch.set_num_threads(threads)
-    rounds = rounds if rounds is not None else (3 if quick else 9)
+    rounds = rounds if rounds is not None else (1 if quick else 9)
+    warmup = 0 if quick else 1
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(), "dtype": "float32", "batch_size": batch,
-        "quick": quick, "scale": scale, "rounds": rounds, "targets": TARGETS,
+        "quick": quick, "scale": scale, "rounds": rounds, "warmup": warmup, "targets": TARGETS,
         "libcirkit": {"installed": cirkit_bridge.available(), "version": cirkit_bridge.version(),
                       "used": with_cirkit and cirkit_bridge.available()},
         "circuits": [],
@@ -385,8 +407,9 @@ def run(*, quick: bool = False, with_cirkit: bool = True, scale: str = "full",
             continue
         if log:
             log(f"... {case.title}")
-        report["circuits"].append(bench_circuit(case, batch=batch, rounds=rounds,
-                                                with_cirkit=with_cirkit))
+        report["circuits"].append(bench_circuit(
+            case, batch=batch, rounds=rounds, with_cirkit=with_cirkit, warmup=warmup,
+            time_unfolded_up_to=QUICK_UNFOLDED_FOLDS if quick else None))
     return report
 
 
@@ -450,6 +473,9 @@ def format_table(report: dict[str, Any]) -> str:
                              "pads to (folds, units, rows, variables) int64: batch "
                              f"{entry['batch_size']} would not fit in memory); Sxcirk compares "
                              "both at that size")
+        if entry["loglik"]["folded_vs_unfolded"] is None:
+            notes.append(f"unfolded reference ({entry['num_unfolded_folds']} layers) not timed "
+                         "in --quick")
         lines.append(f"  {entry['key']}: " + "; ".join(notes))
     return "\n".join(lines)
 
@@ -457,7 +483,8 @@ def format_table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer repeats and no libcirkit (finishes in < 60 s)")
+                        help="one round, no warm-up, no libcirkit, unfolded reference timed "
+                             f"only up to {QUICK_UNFOLDED_FOLDS} layers (finishes in < 60 s)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     parser.add_argument("--no-cirkit", action="store_true", help="skip the libcirkit comparison")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate")
@@ -465,9 +492,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="circuit keys to run (btree hmm random_binary_tree quad_tree)")
     parser.add_argument("--scale", choices=("full", "tiny"), default="full",
                         help="'tiny' runs small versions of the circuits (smoke tests)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args(argv)
     report = run(quick=args.quick, with_cirkit=not (args.quick or args.no_cirkit),
-                 rounds=args.rounds, only=args.only, scale=args.scale,
+                 rounds=args.rounds, only=args.only, scale=args.scale, threads=args.threads,
                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(report))
     write_json_atomic(args.out, report)

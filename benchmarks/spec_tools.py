@@ -3,6 +3,7 @@
 * :class:`ForcedAcceptance`: a backbone wrapper whose verifier accepts every draft, for the
   accept-all throughput bound (the MTPC paper's ``max_tok/s``).
 * :func:`shared_draft_conditionals`: a prototype of a cheaper exact draft-conditional query.
+* :class:`CachedLeanParameters`: a prototype of a cheaper LEAN parameterisation for decoding.
 
 ``circuits_llm.decoder.draft_conditionals`` calls ``log_prefix_conditionals``, which replicates
 every parameter tensor once per window position (``n`` copies of the ``n r V`` input logits),
@@ -22,11 +23,14 @@ The prototype is not used by the decoder; the benchmark checks it against ``draf
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as nnf
 from torch import Tensor
 
 from circuits.compiled import CompiledCircuit
 from circuits.compiled.folding import FoldKind
 from circuits_llm.backbone import HFBackbone
+from circuits_llm.heads import MTPHead
+from circuits_llm.heads.projections import LeanInputs
 from circuits_llm.loss import evaluate_shared
 from circuits_llm.protocols import BackboneStep
 
@@ -106,3 +110,46 @@ class ForcedAcceptance:
         forced.scatter_(-1, tokens[:, 1:, None].to(logits.device), 0.0)
         logits[:, :-1] = forced
         return BackboneStep(logits, step.draft_hidden)
+
+
+class CachedLeanParameters:
+    """Prototype: a LEAN head's decode-time parameterisation with its per-unit maps precomputed.
+
+    :class:`~circuits_llm.heads.projections.LeanInputs` permutes its ``down`` tensor inside an
+    einsum on every call (a full copy) and, at batch 1, pushes ``n r`` transformed states
+    through the LM head (``n r d V`` multiply-adds). Here ``down`` is stored once as a
+    ``(d, F K rho)`` matrix and ``W_lm U`` once as ``(F K, rho, V)``, so a call is one GEMV for
+    the codes and one small batched matmul for the logits. Same values as ``head(hidden)`` up
+    to float rounding; the cache must be rebuilt after every parameter update.
+    """
+
+    def __init__(self, head: MTPHead) -> None:
+        inputs = head.inputs
+        if not isinstance(inputs, LeanInputs):
+            raise TypeError("CachedLeanParameters needs a LEAN head")
+        self.head = head
+        self.lm_head = inputs.lm_head.detach()
+        self.blocks: list[tuple[str, int, int, int, Tensor, Tensor, Tensor | None]] = []
+        with torch.no_grad():
+            for name, down in inputs.down.items():
+                folded, units, dim, rank = down.shape
+                down_flat = down.permute(2, 0, 1, 3).reshape(dim, folded * units * rank)
+                vocab_up = torch.einsum("fkrd,vd->fkrv", inputs.up[name], self.lm_head)
+                bias = inputs.bias[name].detach() if name in inputs.bias else None
+                self.blocks.append((name, folded, units, rank, down_flat.contiguous(),
+                                    vocab_up.reshape(folded * units, rank, -1).contiguous(),
+                                    bias))
+
+    def __call__(self, hidden: Tensor) -> dict[str, Tensor]:
+        """``hidden`` (B, d) -> the same ``{fold name: raw parameters}`` as ``head(hidden)``."""
+        hidden = hidden.to(self.head.dtype)
+        batch = hidden.shape[0]
+        base = nnf.linear(hidden, self.lm_head)  # (B, V)
+        out: dict[str, Tensor] = {}
+        for name, folded, units, rank, down_flat, vocab_up, bias in self.blocks:
+            codes = (hidden @ down_flat).view(batch, folded * units, rank).transpose(0, 1)
+            logits = (torch.bmm(codes, vocab_up) + base).transpose(0, 1)  # (B, F K, V)
+            logits = logits.reshape(batch, folded, units, -1)
+            out[name] = logits if bias is None else logits + bias
+        out.update(self.head.sums(hidden))
+        return out

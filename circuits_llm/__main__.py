@@ -1,3 +1,5 @@
-from circuits_llm.cli import main
 import sys
+
+from circuits_llm.cli import main
+
 sys.exit(main())

@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", type=Path, default=Path(__file__).parent / "embedded" / "byte-llama")
     exp.add_argument("--test-windows", type=int, default=512)
     exp.set_defaults(run=_export)
+    from circuits_llm.training.cli import add_train_head_command
+    add_train_head_command(sub)
+    from circuits_llm.commands import add_commands  # demo, bench, generate
+    add_commands(sub)
     return parser
 
 

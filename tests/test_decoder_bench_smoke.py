@@ -43,6 +43,9 @@ def test_tiny_run_schema_and_greedy_exactness(tmp_path: Path) -> None:
     assert {"verify_4", "ar_step"} == set(loaded["backbone_s"])
     assert loaded["target"] is None  # no btree n=16 r=32 head at these sizes
     assert loaded["profile"]["head"].startswith("btree n=4")
+    for phase in ("parameterise", "draft_sample", "conditionals"):
+        profiled = loaded["profile"]["phases"][phase]
+        assert profiled["ops_per_round"] > 0 and profiled["top"][0]["self_ms_per_round"] > 0
     heads = loaded["heads"]
     assert [(h["architecture"], h["variant"]) for h in heads] == [
         ("ff", "lean"), ("ff", "full"), ("btree", "lean"), ("btree", "full")]
@@ -50,6 +53,7 @@ def test_tiny_run_schema_and_greedy_exactness(tmp_path: Path) -> None:
         assert set(PHASES) <= set(head["phases_s"])
         assert all(head["phases_s"][k] > 0 for k in PHASES)
         assert head["phases_s"]["conditionals_shared_max_abs_diff"] < 1e-5
+        assert head["phases_s"]["parameterise_cached_max_abs_diff"] < 1e-4
         assert head["round_over_verify"]["sampling"] > 0
         for mode in ("greedy", "sampling"):
             decode = head["decode"][mode]

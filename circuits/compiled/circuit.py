@@ -202,9 +202,10 @@ class CompiledCircuit(nn.Module):
             bad = observed & ((x < 0) | (x >= self.categories))
             if bool(bad.any()):
                 row, col = (int(i) for i in bad.nonzero()[0])
+                size = int(self.categories[col])
                 raise InvalidInputError(
                     f"x[{row}, {col}] = {int(x[row, col])} is out of range for variable {col} "
-                    f"with {int(self.categories[col])} categories (valid: 0..{int(self.categories[col]) - 1})")
+                    f"with {size} categories (valid: 0..{size - 1})")
         return x, observed
 
     # ------------------------------------------------------------------ bottom-up pass
@@ -215,7 +216,10 @@ class CompiledCircuit(nn.Module):
 
         Args:
             x, observed: as returned by :meth:`validate_data`.
-            params: validated external parameters (see :meth:`validate_params`).
+            params: validated external parameters (see :meth:`validate_params`) with batch ``S``
+                dividing ``B``: set ``s`` serves rows ``s * B/S .. (s+1) * B/S - 1``. ``S = B`` is
+                one set per row; ``S < B`` lets several evidence patterns of one row share its
+                parameters without copying them (the prefix queries do this).
             semiring: SUM for probabilities, MAX for max-product values.
             trace: when given, filled with every fold's output (used by top-down passes).
             input_leaves: when given, input fold outputs are detached into fresh tensors that

@@ -77,13 +77,23 @@ class FoldedInput(nn.Module):
         # unobserved entries are never read, whatever they hold: keep them in range for indexing
         values = x[:, self.variables].clamp(0, self.num_categories - 1)  # (B, F)
         if log_probs.dim() == 3:
-            # gather (F, K, C) at c = value[b, f] -> (F, K, B), read as a (F, B, K) view
-            fold, units = log_probs.shape[:2]
-            index = values.T[:, None, :].expand(fold, units, values.shape[0])
-            picked = log_probs.gather(2, index).transpose(1, 2)
+            fold, units, size = log_probs.shape
+            batch = values.shape[0]
+            if 4 * size <= batch:  # few categories: copy whole rows of a (F * C, K) table
+                rows = log_probs.transpose(1, 2).reshape(fold * size, units)
+                offsets = torch.arange(fold, device=x.device)[:, None] * size
+                picked = rows.index_select(0, (values.T + offsets).reshape(-1))
+                picked = picked.view(fold, batch, units)
+            else:  # gather (F, K, C) at c = value[b, f] -> (F, K, B), read as a (F, B, K) view
+                index = values.T[:, None, :].expand(fold, units, batch)
+                picked = log_probs.gather(2, index).transpose(1, 2)
         else:
-            index = values[:, :, None, None].expand(-1, -1, log_probs.shape[2], 1)
-            picked = log_probs.gather(3, index).squeeze(3).permute(1, 0, 2)
+            # one parameter set per group of rows_per_set consecutive rows (see evaluate)
+            sets, fold, units = log_probs.shape[:3]
+            rows_per_set = values.shape[0] // max(sets, 1)
+            index = values.view(sets, rows_per_set, fold).permute(0, 2, 1)[:, :, None, :]
+            picked = log_probs.gather(3, index.expand(sets, fold, units, rows_per_set))
+            picked = picked.permute(1, 0, 3, 2).reshape(fold, values.shape[0], units)
         is_observed = observed[:, self.variables].T & ~self.integrated[:, None]  # (F, B)
         if bool(is_observed.all()):
             return picked
@@ -99,7 +109,10 @@ class FoldedInput(nn.Module):
             summed_out = torch.where(integrated, mass, free)
         else:
             summed_out = mass if mass.dim() == 2 else mass.transpose(0, 1)
-        summed_out = summed_out[:, None, :] if summed_out.dim() == 2 else summed_out
+        if summed_out.dim() == 2:
+            summed_out = summed_out[:, None, :]
+        elif summed_out.shape[1] != values.shape[0]:  # per-set masses -> per-row
+            summed_out = summed_out.repeat_interleave(values.shape[0] // max(summed_out.shape[1], 1), 1)
         return torch.where(is_observed[:, :, None], picked, summed_out)
 
 
@@ -209,7 +222,10 @@ class FoldedSum(RoutedFold):
         if semiring is Semiring.MAX:
             if log_weights.dim() == 3:
                 return (inputs[:, :, None, :] + log_weights[:, None, :, :]).amax(-1)
-            return (inputs[:, :, None, :] + log_weights.transpose(0, 1)).amax(-1)
+            per_row = log_weights.transpose(0, 1)  # (F, S, K, D)
+            if per_row.shape[1] != inputs.shape[1]:
+                per_row = per_row.repeat_interleave(inputs.shape[1] // per_row.shape[1], dim=1)
+            return (inputs[:, :, None, :] + per_row).amax(-1)
         return log_matmul(inputs, log_weights)
 
 
@@ -218,14 +234,19 @@ def log_matmul(inputs: Tensor, log_weights: Tensor) -> Tensor:
 
     Args:
         inputs: (F, B, D) log-values.
-        log_weights: (F, K, D) shared by the batch, or (B, F, K, D) one set per row.
+        log_weights: (F, K, D) shared by the batch, or (S, F, K, D): one set per group of
+            ``B // S`` consecutive rows (``S = B``: one set per row).
 
     Returns:
         (F, B, K). Both operands are shifted by their maxima before exponentiating, so nothing
         overflows; rows whose true value is 0 come out as ``-inf`` with zero (not NaN) gradients.
         When :mod:`circuits.kernels` selects triton, one fused kernel computes the same values.
     """
-    if use_triton(inputs, log_weights):
+    if log_weights.dim() == 4 and inputs.shape[1] % max(log_weights.shape[0], 1) != 0:
+        raise ValueError(f"{inputs.shape[1]} rows cannot be split into groups for "
+                         f"{log_weights.shape[0]} weight sets")
+    if (log_weights.dim() == 3 or log_weights.shape[0] == inputs.shape[1]) \
+            and use_triton(inputs, log_weights):
         return TritonLogMatmul.apply(inputs, log_weights)
     # non-finite maxima (all -inf rows) shift by 0; nan_to_num avoids slow bool masks on CPU
     in_max = torch.nan_to_num(inputs.detach().amax(-1, keepdim=True), nan=0.0, posinf=0.0,
@@ -237,18 +258,21 @@ def log_matmul(inputs: Tensor, log_weights: Tensor) -> Tensor:
     if weights.dim() == 3:
         total = torch.bmm(probs, weights.transpose(1, 2))  # (F, B, K)
         shift = in_max + w_max.squeeze(-1)[:, None, :]
-    else:
+    else:  # one weight set per group of batch // sets consecutive rows
         fold, batch, width = probs.shape
-        w = weights.transpose(0, 1).reshape(fold * batch, weights.shape[2], width)
-        total = torch.bmm(w, probs.reshape(fold * batch, width, 1)).view(fold, batch, weights.shape[2])
-        shift = in_max + w_max.squeeze(-1).transpose(0, 1)
+        sets, units = weights.shape[0], weights.shape[2]
+        w = weights.transpose(0, 1).reshape(fold * sets, units, width)
+        grouped = probs.reshape(fold * sets, batch // max(sets, 1), width)
+        total = torch.bmm(grouped, w.transpose(1, 2)).view(fold, batch, units)
+        w_shift = w_max.squeeze(-1).transpose(0, 1)  # (F, sets, K)
+        shift = in_max + (w_shift if sets == batch else w_shift.repeat_interleave(batch // sets, 1))
     if torch.is_grad_enabled() and (inputs.requires_grad or log_weights.requires_grad):
         positive = total > 0  # masked so that zero rows get zero, not NaN, gradients
         safe = torch.where(positive, total, torch.ones_like(total))
         return torch.where(positive, torch.log(safe) + shift, torch.full_like(total, -torch.inf))
     # no gradient needed: the same values without bool masks (log 0 = -inf; NaN -> -inf as above)
-    return torch.log(total).add_(shift).nan_to_num_(nan=-torch.inf, posinf=torch.inf,
-                                                    neginf=-torch.inf)
+    return total.log_().add_(shift).nan_to_num_(nan=-torch.inf, posinf=torch.inf,
+                                                neginf=-torch.inf)
 
 
 class FoldedProduct(RoutedFold):

@@ -9,7 +9,8 @@ where ``l_u`` is input unit ``u``'s output (its total mass, 1 when normalised) a
 distribution. One bottom-up and one backward pass give these conditionals for *every* unobserved
 variable at once, whatever the number of categories: a constant number of passes.
 
-Prefix queries evaluate ``n`` masked copies of each row in one batched pass.
+Prefix queries evaluate ``n`` masked copies of each row in one batched pass; the copies share
+their row's parameter set (no parameter tensor is replicated), see :meth:`CompiledCircuit.evaluate`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
         if probs.dim() == 3:
             contribution = torch.bmm(weight, probs)  # (F, B, C)
         else:
-            contribution = torch.einsum("fbk,bfkc->fbc", weight, probs)
+            sets = probs.shape[0]  # one parameter set per group of batch // sets rows
+            grouped = weight.view(weight.shape[0], sets, batch // max(sets, 1), weight.shape[2])
+            contribution = torch.einsum("fsgk,sfkc->fsgc", grouped, probs).flatten(1, 2)
         live = ~module.integrated
         result.index_add_(1, module.variables[live], contribution[live].transpose(0, 1))
     return result
@@ -110,10 +113,6 @@ def log_conditional(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
     return torch.log(probs / probs.sum(-1, keepdim=True))
 
 
-def _expand_params(params: dict[str, Tensor], repeats: int) -> dict[str, Tensor]:
-    return {k: v.repeat_interleave(repeats, dim=0) for k, v in params.items()}
-
-
 def log_prefix_marginals(circuit: CompiledCircuit, x: Tensor, order: Sequence[int] | None = None,
                          params: Params | None = None) -> Tensor:
     """``log q(x_{o_1}, ..., x_{o_i})`` for every prefix length ``i = 1..n`` in one pass.
@@ -134,7 +133,7 @@ def log_prefix_marginals(circuit: CompiledCircuit, x: Tensor, order: Sequence[in
     observed = position[None, :] <= torch.arange(steps, device=x.device)[:, None]  # (n, V)
     rows = x.repeat_interleave(steps, dim=0)
     mask = observed.repeat(batch, 1)
-    return circuit.evaluate(rows, mask, _expand_params(checked, steps)).view(batch, steps)
+    return circuit.evaluate(rows, mask, checked).view(batch, steps)  # sets shared by prefixes
 
 
 def log_prefix_conditionals(circuit: CompiledCircuit, x: Tensor, order: Sequence[int] | None = None,
@@ -158,7 +157,7 @@ def log_prefix_conditionals(circuit: CompiledCircuit, x: Tensor, order: Sequence
     observed = position[None, :] < torch.arange(steps, device=x.device)[:, None]  # (n, V)
     rows = x.repeat_interleave(steps, dim=0)
     probs = all_conditionals(circuit, rows, observed.repeat(batch, 1),
-                             _expand_params(checked, steps), size)
+                             checked, size)
     picked = probs.view(batch, steps, circuit.num_variables, size)[
         :, torch.arange(steps, device=x.device), order_t]
     return torch.log(picked / picked.sum(-1, keepdim=True))

@@ -55,7 +55,7 @@ def _rows(table: Tensor, unit: Tensor) -> Tensor:
     folds = torch.arange(fold, device=unit.device)[:, None]
     if table.dim() == 3:
         return table[folds, unit]
-    rows = torch.arange(batch, device=unit.device)[None, :]
+    rows = torch.arange(batch, device=unit.device)[None, :] // max(batch // max(table.shape[0], 1), 1)
     return table[rows, folds, unit]
 
 
@@ -118,8 +118,13 @@ def descend(circuit: CompiledCircuit, trace: Trace, x: Tensor, observed: Tensor,
             values = torch.where(active & ~module.integrated[:, None], values, -1)
             result.scatter_reduce_(1, variables[None, :].expand(batch, -1), values.T, "amax")
         elif isinstance(module, FoldedSum):
-            child = choose_sum_children(choose, trace.log_params[plan.fold_id], selected,
-                                        trace.sum_inputs.get(plan.fold_id))  # (F, B) or -1
+            table, inputs = trace.log_params[plan.fold_id], trace.sum_inputs.get(plan.fold_id)
+            if inputs is None and table.dim() == 3 and isinstance(choose, GumbelChooser):
+                # no evidence, shared weights: inverse-CDF draws, the same on every backend
+                draws = _inverse_cdf(table, unit, choose.uniforms(tuple(unit.shape), device))
+                child = torch.where(active, draws, -1)
+            else:
+                child = choose_sum_children(choose, table, selected, inputs)  # (F, B) or -1
             start = 0
             for h, width in enumerate(plan.input_widths):
                 inside = active & (child >= start) & (child < start + width)

@@ -1,0 +1,220 @@
+"""The user-facing subcommands of ``circuits-llm``: ``demo``, ``bench`` and ``generate``.
+
+:func:`add_commands` registers them on the ``circuits-llm`` subparsers (:mod:`circuits_llm.cli`).
+Every input problem ends the command with one line ``circuits-llm <command>: error: ...`` on
+stderr and exit status 2 (argparse's convention), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuits_llm.demo import (
+    EMBEDDED,
+    ComparisonConfig,
+    DemoError,
+    default_cache_dir,
+    find_cached_head,
+    load_model,
+    run_comparison,
+    training_config,
+)
+
+#: ``--head`` values that mean plain autoregressive decoding.
+AUTOREGRESSIVE_NAMES = ("ar", "none")
+TRAINED_NAMES = ("ff", "btree")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "bad input" (reported in one line) rather than a bug."""
+    from circuits.errors import CircuitError
+    from circuits_llm.checkpoint import CheckpointError
+    from circuits_llm.heads import HeadConfigError
+    from circuits_llm.report import ReportError
+    from circuits_llm.warping import DecoderError
+    errors: list[type[BaseException]] = [DemoError, DecoderError, HeadConfigError, ReportError,
+                                         CircuitError, CheckpointError]
+    try:
+        from circuits_llm import training
+        errors += [value for value in vars(training).values()
+                   if isinstance(value, type) and issubclass(value, Exception)
+                   and value.__module__.startswith(training.__name__)]
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _guarded(command: str, body: Callable[[argparse.Namespace], int]
+             ) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        torch.set_num_threads(args.threads)
+        try:
+            return body(args)
+        except _user_errors() as error:
+            print(f"circuits-llm {command}: error: {error}", file=sys.stderr)
+            return 2
+    return run
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=EMBEDDED,
+                        help="'embedded' (the packaged byte-level Llama) or a Hugging Face model "
+                             "directory (default: embedded)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help=f"trained-head cache (default: {default_cache_dir()})")
+    parser.add_argument("--threads", type=_positive_int, default=1,
+                        help="torch threads (default 1: the small model's ops gain little from "
+                             "more, and lose a lot when the cores are shared)")
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="decoding seed")
+
+
+def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    _common(parser)
+    parser.add_argument("--quick", action="store_true", help="window 8, short training, few prompts")
+    parser.add_argument("--out", type=Path, default=Path(out), help=f"output directory ({out})")
+    parser.add_argument("--retrain", action="store_true", help="ignore cached heads")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    tuning = parser.add_argument_group("overrides of the --quick / default settings")
+    tuning.add_argument("--window", type=_positive_int)
+    tuning.add_argument("--rank", type=_positive_int)
+    tuning.add_argument("--variant", choices=("lean", "full"))
+    tuning.add_argument("--lora-layers", type=_non_negative_int)
+    tuning.add_argument("--train-steps", type=_positive_int)
+    tuning.add_argument("--train-seconds", type=_positive_float,
+                        help="training budget of all heads together (FF gets 1/5 of a BTree's)")
+    tuning.add_argument("--train-seq-len", type=_positive_int)
+    tuning.add_argument("--train-batch-size", type=_positive_int)
+    tuning.add_argument("--learning-rate", type=_positive_float)
+    tuning.add_argument("--prompts", type=_positive_int, help="held-out prompts per mode")
+    tuning.add_argument("--prompt-bytes", type=_positive_int)
+    tuning.add_argument("--new-tokens", type=_positive_int, help="bytes generated per prompt")
+    tuning.add_argument("--temperature", type=_positive_float, help="of the sampling mode (1.0)")
+
+
+def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
+    """``base`` with every override given on the command line."""
+    names = ("window", "rank", "variant", "lora_layers", "train_steps", "train_seconds",
+             "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_bytes",
+             "new_tokens", "temperature")
+    changes: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    config = replace(base, seed=args.seed, **changes)
+    if config.window < 2:
+        raise DemoError(f"--window must be >= 2 (one known token plus drafts), got {config.window}")
+    if config.prompt_bytes < 2:
+        raise DemoError(f"--prompt-bytes must be >= 2, got {config.prompt_bytes}")
+    return config
+
+
+def _run_comparison(command: str, base: Callable[[bool], ComparisonConfig]
+                    ) -> Callable[[argparse.Namespace], int]:
+    def body(args: argparse.Namespace) -> int:
+        config = comparison_config(args, base(args.quick))
+        run_comparison(config, args.model, args.out, args.cache_dir or default_cache_dir(),
+                       command=command + (" --quick" if args.quick else ""), retrain=args.retrain,
+                       progress=not args.no_progress, show_sample=command == "demo")
+        return 0
+    return body
+
+
+# ---------------------------------------------------------------------------- generate
+def _decoder_for(head: str, loaded: Any, cache: Path) -> tuple[Any, str]:
+    """The decoder ``--head`` names, and a description of it."""
+    from circuits_llm.backbone import HFBackbone
+    from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    if head.lower() in AUTOREGRESSIVE_NAMES:
+        return AutoregressiveDecoder(HFBackbone(loaded.model)), "autoregressive"
+    if head.lower() in TRAINED_NAMES:
+        preferred = [training_config(ComparisonConfig.demo(quick), head.lower())
+                     for quick in (False, True)]
+        run_dir = find_cached_head(cache, loaded.fingerprint, head.lower(), preferred)
+        if run_dir is None:
+            raise DemoError(f"--head {head}: no trained {head} head for this model in {cache}; "
+                            f"run `circuits-llm demo` first (same --model and --cache-dir) or "
+                            f"pass a trained head directory")
+    else:
+        run_dir = Path(head)
+        if not run_dir.is_dir():
+            raise DemoError(f"--head {head}: expected one of {', '.join(TRAINED_NAMES)}, "
+                            f"{', '.join(AUTOREGRESSIVE_NAMES)} or a trained head directory")
+    from circuits_llm.training import load_trained_head
+    mtp_head, backbone = load_trained_head(run_dir, loaded.model)
+    return SpeculativeDecoder(backbone, mtp_head.eval()), f"speculative ({run_dir})"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from circuits_llm.data import SpecialToken, decode, encode
+    loaded = load_model(args.model)
+    decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir())
+    prompt = torch.cat([torch.tensor([int(SpecialToken.BOS)]), encode(args.prompt.encode())])
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    result = decoder.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                              generator=generator)
+    wall = time.perf_counter() - start
+    print(args.prompt + decode(result.tokens) if args.echo else decode(result.tokens))
+    s = result.summary
+    print(f"[{description}] {s.new_tokens} tokens in {wall:.2f} s ({s.throughput:.1f} bytes/s "
+          f"decoding), {s.rounds} rounds, {s.tokens_per_round:.2f} tokens/round, "
+          f"acceptance {s.acceptance_rate:.1%}, {s.mean_latency_s * 1e3:.2f} ms/round",
+          file=sys.stderr)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``demo``, ``bench`` and ``generate`` on an argparse subparsers object."""
+    demo = sub.add_parser("demo", help="train/load FF and BTree heads; compare AR, FF and BTree "
+                                       "decoding (table, JSON, trade-off plot, sample)")
+    _comparison_arguments(demo, "runs/demo")
+    demo.set_defaults(run=_guarded("demo", _run_comparison("demo", ComparisonConfig.demo)))
+    bench = sub.add_parser("bench", help="the decoder comparison of demo on more prompts")
+    _comparison_arguments(bench, "runs/bench")
+    bench.set_defaults(run=_guarded("bench", _run_comparison("bench", ComparisonConfig.bench)))
+    gen = sub.add_parser("generate", help="continue a prompt with (speculative) decoding")
+    _common(gen)
+    gen.add_argument("--prompt", required=True, help="text to continue (encoded as UTF-8 bytes)")
+    gen.add_argument("--head", default="btree",
+                     help="ff | btree (cached by `demo`) | ar (no head) | a trained head directory")
+    gen.add_argument("--max-new-tokens", type=_non_negative_int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    gen.set_defaults(run=_guarded("generate", _generate))

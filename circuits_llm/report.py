@@ -1,0 +1,329 @@
+"""Decoder-comparison reports: rows, the text table, the JSON record and the trade-off plot.
+
+A comparison runs several decoders (autoregressive, speculative with an FF head, with a BTree
+head, ...) on the same prompts in the same process and pools each decoder's rounds with
+:func:`circuits_llm.metrics.aggregate`. One :class:`DecoderRow` per (decoder, mode) holds the
+MTPC paper's metrics (Section 4.2): mean latency per round ``mu_lat``, mean accepted length
+(tokens per round, ``mu_acc``), per-position acceptance, throughput ``mu_acc / mu_lat`` and the
+wall-time speed-ups over the autoregressive baseline and the FF (independence) head.
+
+Tokens of the byte-level models are bytes, so throughput is reported in bytes per second.
+
+:func:`write_tradeoff_plot` draws accepted length against latency per round with dotted
+iso-throughput lines, like the paper's Figure 1. Every file is written atomically (a temporary
+file in the same directory, then ``os.replace``): a crash leaves the previous file or none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from circuits_llm.metrics import DecodeSummary
+
+#: Bumped whenever the meaning of a report's JSON fields changes.
+SCHEMA_VERSION = 1
+REPORT_KIND = "circuits_llm.decoder_comparison"
+BASELINE = "autoregressive"
+INDEPENDENT = "ff"
+
+
+class ReportError(ValueError):
+    """A report or one of its rows is malformed (the message names the field)."""
+
+
+class DecodeMode(Enum):
+    """How tokens are chosen: argmax (temperature 0) or sampling (temperature > 0)."""
+
+    GREEDY = "greedy"
+    SAMPLING = "sampling"
+
+
+@dataclass(frozen=True)
+class DecoderRow:
+    """The pooled metrics of one decoder in one mode over all prompts of a comparison.
+
+    Attributes:
+        decoder: ``"autoregressive"`` or a head name (``"ff"``, ``"btree"``, ...).
+        mode: greedy or sampling.
+        prompts: number of prompts decoded.
+        new_tokens: tokens generated in total.
+        rounds: decoding rounds (backbone calls after the prefills) in total.
+        mean_latency_s: ``mu_lat``, seconds per round.
+        tokens_per_round: ``mu_acc``, the mean accepted length (tokens emitted per round).
+        tokens_per_call: tokens per backbone call, prefill calls included.
+        acceptance_rate: accepted drafts / drafted tokens (0 for autoregressive decoding).
+        acceptance_by_position: fraction of rounds whose ``k``-th draft was accepted, ``k >= 1``.
+        throughput: tokens (bytes) per decoding second, ``mu_acc / mu_lat``.
+        mean_split_s: mean seconds per round of each phase (head, draft, conditionals, verify,
+            accept).
+        speedup_vs_ar: throughput over the autoregressive row of the same mode (None if absent).
+        speedup_vs_ff: throughput over the FF row of the same mode (None if absent).
+    """
+
+    decoder: str
+    mode: DecodeMode
+    prompts: int
+    new_tokens: int
+    rounds: int
+    mean_latency_s: float
+    tokens_per_round: float
+    tokens_per_call: float
+    acceptance_rate: float
+    acceptance_by_position: tuple[float, ...]
+    throughput: float
+    mean_split_s: dict[str, float] = field(default_factory=dict)
+    speedup_vs_ar: float | None = None
+    speedup_vs_ff: float | None = None
+
+    @classmethod
+    def from_summary(cls, decoder: str, mode: DecodeMode, prompts: int,
+                     summary: DecodeSummary) -> DecoderRow:
+        """A row from a pooled :class:`~circuits_llm.metrics.DecodeSummary` (no speed-ups yet)."""
+        return cls(decoder=decoder, mode=mode, prompts=prompts, new_tokens=summary.new_tokens,
+                   rounds=summary.rounds, mean_latency_s=summary.mean_latency_s,
+                   tokens_per_round=summary.tokens_per_round,
+                   tokens_per_call=summary.tokens_per_call,
+                   acceptance_rate=summary.acceptance_rate,
+                   acceptance_by_position=tuple(summary.acceptance_by_position),
+                   throughput=summary.throughput, mean_split_s=dict(summary.mean_split_s))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the mode as its value, positions as a list)."""
+        record = asdict(self)
+        record["mode"] = self.mode.value
+        record["acceptance_by_position"] = list(self.acceptance_by_position)
+        return record
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> DecoderRow:
+        """Inverse of :meth:`to_json`; raises :class:`ReportError` on a malformed record."""
+        check_row(record)
+        values = dict(record)
+        values["mode"] = DecodeMode(values["mode"])
+        values["acceptance_by_position"] = tuple(values["acceptance_by_position"])
+        return cls(**values)
+
+
+def with_speedups(rows: Iterable[DecoderRow]) -> list[DecoderRow]:
+    """Fill ``speedup_vs_ar`` / ``speedup_vs_ff`` from the rows of the same mode."""
+    rows = list(rows)
+    by_key = {(row.decoder, row.mode): row for row in rows}
+
+    def ratio(row: DecoderRow, baseline: str) -> float | None:
+        base = by_key.get((baseline, row.mode))
+        if base is None or base.throughput <= 0:
+            return None
+        return row.throughput / base.throughput
+
+    return [replace(row, speedup_vs_ar=ratio(row, BASELINE), speedup_vs_ff=ratio(row, INDEPENDENT))
+            for row in rows]
+
+
+# ---------------------------------------------------------------------------- JSON schema
+_ROW_TYPES: dict[str, tuple[type, ...]] = {
+    "decoder": (str,), "mode": (str,), "prompts": (int,), "new_tokens": (int,), "rounds": (int,),
+    "mean_latency_s": (int, float), "tokens_per_round": (int, float),
+    "tokens_per_call": (int, float), "acceptance_rate": (int, float),
+    "acceptance_by_position": (list, tuple), "throughput": (int, float), "mean_split_s": (dict,),
+    "speedup_vs_ar": (int, float, type(None)), "speedup_vs_ff": (int, float, type(None)),
+}
+_REPORT_TYPES: dict[str, tuple[type, ...]] = {
+    "schema_version": (int,), "kind": (str,), "created": (str,), "command": (str,),
+    "model": (dict,), "machine": (dict,), "config": (dict,), "heads": (dict,), "rows": (list,),
+    "greedy_identical": (dict,), "sample": (dict,), "plot": (str,), "wall_s": (int, float),
+}
+
+
+def _check_fields(record: Any, types: Mapping[str, tuple[type, ...]], what: str) -> None:
+    if not isinstance(record, Mapping):
+        raise ReportError(f"{what} must be a JSON object, got {type(record).__name__}")
+    missing = sorted(set(types) - set(record))
+    unknown = sorted(set(record) - set(types))
+    if missing or unknown:
+        raise ReportError(f"{what}: missing keys {missing}, unknown keys {unknown}")
+    for key, allowed in types.items():
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            names = "/".join(t.__name__ for t in allowed)
+            raise ReportError(f"{what}: {key} must be {names}, got {value!r}")
+
+
+def check_row(record: Any) -> None:
+    """Raise :class:`ReportError` unless ``record`` is a valid JSON row."""
+    _check_fields(record, _ROW_TYPES, "row")
+    if record["mode"] not in {m.value for m in DecodeMode}:
+        raise ReportError(f"row: mode must be one of {[m.value for m in DecodeMode]}, "
+                          f"got {record['mode']!r}")
+    rates = [record["acceptance_rate"], *record["acceptance_by_position"]]
+    if not all(isinstance(r, (int, float)) and 0 <= r <= 1 for r in rates):
+        raise ReportError(f"row {record['decoder']}/{record['mode']}: acceptance rates must lie "
+                          f"in [0, 1], got {rates}")
+
+
+def check_report(report: Any) -> None:
+    """Raise :class:`ReportError` unless ``report`` follows this module's JSON schema."""
+    _check_fields(report, _REPORT_TYPES, "report")
+    if report["schema_version"] != SCHEMA_VERSION or report["kind"] != REPORT_KIND:
+        raise ReportError(f"report: expected kind {REPORT_KIND!r} version {SCHEMA_VERSION}, got "
+                          f"{report['kind']!r} version {report['schema_version']!r}")
+    for row in report["rows"]:
+        check_row(row)
+    identical = report["greedy_identical"]
+    if not isinstance(identical.get("all"), bool) or not isinstance(identical.get("prompts"), int):
+        raise ReportError("report: greedy_identical needs a bool 'all' and an int 'prompts'")
+
+
+# ---------------------------------------------------------------------------- atomic files
+def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it over ``path``.
+
+    The temporary file keeps ``path``'s suffix (so writers that infer a format from it work) and
+    is removed if anything fails: ``path`` then holds its previous content, or does not exist.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}",
+                                    dir=path.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(report: Mapping[str, Any], path: Path) -> Path:
+    """Write ``report`` as indented JSON, atomically."""
+    text = json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    """Read and check a report written by :func:`write_json`."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ReportError(f"cannot read a report from {path}: {error}") from None
+    check_report(report)
+    return report
+
+
+# ---------------------------------------------------------------------------- the table
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: Iterable[DecoderRow]) -> str:
+    """The comparison as fixed-width text: one line per (mode, decoder), then per-position rates."""
+    rows = sorted(rows, key=lambda r: (r.mode.value, r.decoder != BASELINE, r.decoder))
+    header = (f"{'mode':<9}{'decoder':<15}{'lat/round':>10}{'acc.len':>9}{'tok/call':>9}"
+              f"{'accept':>8}{'bytes/s':>9}{'x AR':>7}{'x FF':>7}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row.mode.value:<9}{row.decoder:<15}{row.mean_latency_s * 1e3:>8.2f}ms"
+            f"{row.tokens_per_round:>9.2f}{row.tokens_per_call:>9.2f}"
+            f"{row.acceptance_rate:>8.1%}{row.throughput:>9.1f}"
+            f"{_fmt(row.speedup_vs_ar, '.2f'):>7}{_fmt(row.speedup_vs_ff, '.2f'):>7}")
+    speculative = [row for row in rows if row.acceptance_by_position]
+    if speculative:
+        lines += ["", "per-position acceptance (% of rounds whose k-th draft was accepted)"]
+        depth = max(len(row.acceptance_by_position) for row in speculative)
+        lines.append(f"{'mode':<9}{'decoder':<15}" + "".join(f"{k:>5}" for k in range(1, depth + 1)))
+        for row in speculative:
+            rates = "".join(f"{100 * rate:>5.0f}" for rate in row.acceptance_by_position)
+            lines.append(f"{row.mode.value:<9}{row.decoder:<15}{rates}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the plot
+_COLORS = {BASELINE: "#555555", INDEPENDENT: "#1f77b4", "btree": "#d62728"}
+_PALETTE = ("#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2")
+_MARKERS = {DecodeMode.GREEDY: "o", DecodeMode.SAMPLING: "^"}
+
+
+def iso_levels(throughputs: Iterable[float], count: int = 6) -> list[float]:
+    """Round throughput levels (1-2-5 series) spanning ``throughputs``, for iso-throughput lines."""
+    values = [t for t in throughputs if t > 0 and math.isfinite(t)]
+    if not values:
+        return []
+    low, high = min(values) / 2, max(values) * 2
+    levels: list[float] = []
+    for exponent in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1):
+        levels += [m * 10.0 ** exponent for m in (1, 2, 5) if low <= m * 10.0 ** exponent <= high]
+    while len(levels) > count:
+        levels = levels[::2]
+    return levels
+
+
+def _draw_iso_lines(ax: Any, levels: list[float], x_max: float, y_max: float) -> None:
+    for level in levels:
+        slope = level / 1e3  # tokens per round per ms of latency
+        x_end = min(x_max, y_max / slope)
+        ax.plot([0, x_end], [0, slope * x_end], ls=":", color="0.55", lw=1.0, zorder=1)
+        ax.annotate(f"{level:g} B/s", (x_end, slope * x_end), xytext=(-3, -3),
+                    textcoords="offset points", ha="right", va="top", fontsize=7.5, color="0.4",
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
+
+
+def write_tradeoff_plot(rows: Iterable[DecoderRow], path: Path, title: str) -> Path:
+    """Accepted length (tokens per round) against latency per round, with iso-throughput lines.
+
+    One panel per decoding mode; every point is one decoder. A dotted line ``y = T * x`` joins
+    all designs with throughput ``T`` bytes/s, so points further up-left are faster (the MTPC
+    paper's Figure 1). The PNG is written atomically.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = [row for row in rows if row.rounds > 0]
+    if not rows:
+        raise ReportError("nothing to plot: no row has any decoding round")
+    modes = [mode for mode in DecodeMode if any(row.mode is mode for row in rows)]
+    x_max = max(row.mean_latency_s * 1e3 for row in rows) * 1.35
+    y_max = max(row.tokens_per_round for row in rows) * 1.25
+    levels = iso_levels(row.throughput for row in rows)
+    decoders = list(dict.fromkeys(row.decoder for row in rows))
+    extra = iter(_PALETTE)
+    colors = {name: _COLORS.get(name) or next(extra, "black") for name in decoders}
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 4.6), dpi=120,
+                             sharex=True, sharey=True, squeeze=False)
+    try:
+        for ax, mode in zip(axes[0], modes, strict=True):
+            _draw_iso_lines(ax, levels, x_max, y_max)
+            points = sorted((row for row in rows if row.mode is mode),
+                            key=lambda r: r.mean_latency_s)
+            for index, row in enumerate(points):
+                xy = (row.mean_latency_s * 1e3, row.tokens_per_round)
+                ax.scatter(*xy, s=80, zorder=3, color=colors[row.decoder], marker=_MARKERS[mode],
+                           edgecolors="black", linewidths=0.6, label=row.decoder)
+                above = index % 2 == 0
+                ax.annotate(f"{row.decoder}\n{row.throughput:.0f} B/s", xy,
+                            xytext=(7, 5 if above else -5), textcoords="offset points",
+                            va="bottom" if above else "top", fontsize=8, zorder=4)
+            ax.set_xlim(0, x_max)
+            ax.set_ylim(0, y_max)
+            ax.set_title(f"{mode.value}", fontsize=10)
+            ax.set_xlabel("mean latency per round (ms)")
+            ax.grid(alpha=0.25)
+        axes[0][0].set_ylabel("mean accepted length (tokens per round)")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8.5,
+                   frameon=False)
+        fig.suptitle(f"{title}\n(dotted: iso-throughput; up-left is faster)", fontsize=9.5)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+        return atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)

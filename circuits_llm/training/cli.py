@@ -1,0 +1,144 @@
+"""``circuits-llm train-head``: train a circuit MTP head on a frozen model from the command line.
+
+Example (resumable; run it again with the same arguments to continue)::
+
+    circuits-llm train-head --model embedded --arch btree --window 16 --rank 32 --variant lean \\
+        --lora-layers 0 --steps 2000 --run-dir runs/btree --minutes 30
+
+Data-parallel on CPU: ``torchrun --nproc_per_node=2 -m circuits_llm train-head ...`` (the global
+``--batch-size`` is split across the processes). Input problems end the command with one line
+``circuits-llm train-head: error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
+
+EMBEDDED = "embedded"
+
+
+def load_model(spec: str, device: torch.device) -> Any:
+    """``"embedded"`` -> the packaged byte-level Llama; otherwise a local HF model directory."""
+    from transformers import AutoModelForCausalLM
+
+    from circuits_llm.embedded import EmbeddedModelMissingError, load_embedded_model
+    if spec == EMBEDDED:
+        try:
+            model = load_embedded_model()
+        except EmbeddedModelMissingError as error:
+            raise TrainingConfigError(str(error)) from None
+    else:
+        path = Path(spec)
+        if not path.is_dir():
+            raise TrainingConfigError(f"--model {spec}: no such directory (give 'embedded' or a "
+                                      "Hugging Face model directory)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise TrainingConfigError(f"--model {spec}: cannot load a causal LM ({error})") \
+                from None
+    return model.to(device).eval()
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainingConfigError("--device cuda but no CUDA device is available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
+    """The :class:`HeadTrainingConfig` the command line describes."""
+    return HeadTrainingConfig(
+        architecture=None if args.circuit_file else args.arch,
+        circuit_file=str(args.circuit_file) if args.circuit_file else None,
+        window=args.window, rank=args.rank, variant=args.variant, lean_rank=args.lean_rank,
+        lora_layers=args.lora_layers, lora_rank=args.lora_rank, seq_len=args.seq_len,
+        batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip if args.grad_clip > 0 else None, steps=args.steps,
+        gamma=args.gamma, data=args.data, seed=args.seed, eval_every=args.eval_every,
+        eval_windows=args.eval_windows, checkpoint_every_s=args.checkpoint_every,
+        max_train_bytes=args.max_train_bytes, distill_samples=args.distill_samples,
+        distill_prompt_len=args.distill_prompt_len,
+        distill_temperature=args.distill_temperature, bf16=args.bf16)
+
+
+def _train_head(args: argparse.Namespace) -> int:
+    from circuits.errors import CircuitError
+    from circuits_llm.checkpoint import CheckpointError
+    from circuits_llm.training.loop import train_head
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        config = config_from_args(args)
+        model = load_model(args.model, _device(args.device))
+        minutes = args.minutes
+        result = train_head(model, config, args.run_dir,
+                            max_seconds=None if minutes is None else minutes * 60,
+                            max_steps=args.max_steps, progress=not args.no_progress,
+                            corpus_root=args.corpus_root)
+    except (TrainingConfigError, CheckpointError, CircuitError) as error:
+        print(f"circuits-llm train-head: error: {error}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        summary = {"run_dir": str(result.run_dir), "step": result.step,
+                   "finished": result.finished, "tokens_seen": result.tokens_seen,
+                   "seconds_per_step": result.seconds_per_step,
+                   "validation_mean_bits": {"initial": result.initial_validation.mean_bits,
+                                            "final": result.validation.mean_bits},
+                   "validation_bits_per_position": list(result.validation.bits)}
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def add_train_head_command(sub: Any) -> None:
+    """Register ``train-head`` on the ``circuits-llm`` subparsers object."""
+    d = HeadTrainingConfig()
+    p = sub.add_parser("train-head", help="train a circuit MTP head (+ LoRA) on a frozen model "
+                                          "(resumable, torchrun-ready)")
+    p.add_argument("--model", default=EMBEDDED, help="'embedded' or a Hugging Face model directory")
+    p.add_argument("--run-dir", type=Path, required=True, help="checkpoint + export directory")
+    head = p.add_mutually_exclusive_group()
+    head.add_argument("--arch", default="btree", help="ff, cp, hmm or btree (default btree)")
+    head.add_argument("--circuit-file", type=Path, default=None, help="a JSON circuit file")
+    p.add_argument("--window", type=int, default=d.window)
+    p.add_argument("--rank", type=int, default=d.rank)
+    p.add_argument("--variant", choices=("lean", "full"), default=d.variant.value)
+    p.add_argument("--lean-rank", type=int, default=d.lean_rank)
+    p.add_argument("--lora-layers", type=int, default=d.lora_layers)
+    p.add_argument("--lora-rank", type=int, default=d.lora_rank)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch")
+    p.add_argument("--lr", type=float, default=d.learning_rate)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--gamma", type=float, default=None, help="default 0.8 (n <= 8) or 0.9")
+    p.add_argument("--data", choices=[s.value for s in DataSource], default=d.data.value)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-windows", type=int, default=d.eval_windows)
+    p.add_argument("--checkpoint-every", type=float, default=d.checkpoint_every_s,
+                   help="seconds between checkpoints")
+    p.add_argument("--max-train-bytes", type=int, default=None)
+    p.add_argument("--distill-samples", type=int, default=d.distill_samples)
+    p.add_argument("--distill-prompt-len", type=int, default=d.distill_prompt_len)
+    p.add_argument("--distill-temperature", type=float, default=d.distill_temperature)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the backbone forward")
+    p.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in total")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    p.add_argument("--corpus-root", type=Path, default=None, help="corpus directory (default: stdlib)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_train_head)

@@ -1,0 +1,223 @@
+"""The configuration of a head-training run: :class:`HeadTrainingConfig` and its errors.
+
+The config is a frozen dataclass that round-trips through JSON (:meth:`HeadTrainingConfig.to_dict`
+/ :meth:`HeadTrainingConfig.from_dict`); it is stored in every checkpoint and in
+``training.json`` so that a resumed run can be checked against the one that wrote the files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from typing import Any
+
+from circuits.errors import UnknownArchitectureError
+from circuits.templates import Architecture, parse_architecture
+from circuits_llm.heads import HeadConfigError, HeadVariant
+from circuits_llm.heads.config import parse_variant
+
+
+class TrainingConfigError(ValueError):
+    """A training configuration, or a head built from it, does not fit (the message says why)."""
+
+
+class DataSource(Enum):
+    """What the head is trained on.
+
+    ``CORPUS``: random windows of the stdlib training split (:mod:`circuits_llm.data`).
+    ``SELF_DISTILLED``: FastMTP Sec. 2.4: prompts cut from the training split, continued by the
+    target model itself (sampling, fixed seed); the loss covers the generated responses only.
+    """
+
+    CORPUS = "corpus"
+    SELF_DISTILLED = "self-distilled"
+
+
+#: Fields that change neither the parameters nor the data of any step: a checkpoint written with
+#: other values of these may be resumed (e.g. to train a finished run for more steps).
+RESUMABLE_FIELDS = frozenset({"steps", "eval_every", "checkpoint_every_s"})
+
+
+def _int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TrainingConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _positive(name: str, value: object, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise TrainingConfigError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class HeadTrainingConfig:
+    """Hyper-parameters of one head-training run.
+
+    Attributes:
+        architecture: the head's circuit template (``ff``, ``cp``, ``hmm``, ``btree``; strings are
+            parsed), or None when ``circuit_file`` is given. Exactly one of the two is set.
+        circuit_file: path of a JSON circuit (:mod:`circuits.serialization`) over variables
+            ``0 .. window-1``, each ``Categorical(V)``; its stored parameters are not used.
+        window: ``n``, the number of future tokens the head models (>= 2); must equal the
+            circuit file's number of variables when one is given.
+        rank: the template's rank (``ff`` needs 1; ignored for circuit files).
+        variant: :class:`HeadVariant` FULL (per-unit unembeddings) or LEAN (frozen LM head).
+        lean_rank: ``rho`` of the LEAN per-unit transforms.
+        lora_layers: ``k`` LoRA draft layers on top of the frozen backbone (0 = frozen only).
+        lora_rank: rank of those LoRA adapters (scale ``alpha / r = 1``).
+        seq_len: tokens per training sequence; every position starts a window. Memory grows
+            as ``batch_size * seq_len * N * V`` floats (``N`` input units: ``n r`` for CP, HMM,
+            BTree), e.g. about 3 GB for n=16, r=32, V=260, seq_len=128, batch_size=8.
+        batch_size: sequences per optimiser step (the global batch under DDP).
+        learning_rate: AdamW learning rate, constant as in the MTPC paper (which uses 3e-4 for
+            a one-epoch run with batches of 256 sequences; the default suits short CPU runs).
+        weight_decay: AdamW weight decay.
+        grad_clip: clip the global gradient norm to this value (None: no clipping).
+        steps: optimiser steps of the whole run.
+        gamma: loss discount in ``(0, 1]`` (None: the paper's 0.8 for ``n <= 8``, else 0.9).
+        data: :class:`DataSource`.
+        seed: seeds the head, the LoRA initialisation, the data order and the self-distillation.
+        eval_every: validate every this many steps (and at the start and the end).
+        eval_windows: validation sequences (fixed, the first ones of the validation data).
+        checkpoint_every_s: also write a checkpoint when this many seconds passed since the last.
+        max_train_bytes: cap on the training corpus size (None: the whole training split).
+        distill_samples: self-distilled training sequences to generate.
+        distill_prompt_len: prompt tokens per self-distilled sequence; the response fills the
+            rest of ``seq_len`` and must be at least ``window`` tokens long.
+        distill_temperature: sampling temperature of the self-distillation (0 = greedy).
+        bf16: run the backbone forward under bf16 autocast (slower than fp32 on most CPUs).
+    """
+
+    architecture: Architecture | None = Architecture.BTREE
+    circuit_file: str | None = None
+    window: int = 16
+    rank: int = 32
+    variant: HeadVariant = HeadVariant.LEAN
+    lean_rank: int = 8
+    lora_layers: int = 0
+    lora_rank: int = 8
+    seq_len: int = 128
+    batch_size: int = 8
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    steps: int = 1000
+    gamma: float | None = None
+    data: DataSource = DataSource.CORPUS
+    seed: int = 0
+    eval_every: int = 100
+    eval_windows: int = 32
+    checkpoint_every_s: float = 300.0
+    max_train_bytes: int | None = None
+    distill_samples: int = 256
+    distill_prompt_len: int = 64
+    distill_temperature: float = 1.0
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.circuit_file is not None:
+            if self.architecture is not None:
+                raise TrainingConfigError(
+                    "give either architecture or circuit_file, not both (set architecture=None "
+                    "to train a head over the circuit file)")
+            if not isinstance(self.circuit_file, str) or not self.circuit_file:
+                raise TrainingConfigError(f"circuit_file must be a path string, got "
+                                          f"{self.circuit_file!r}")
+        elif self.architecture is None:
+            raise TrainingConfigError("give an architecture (ff, cp, hmm, btree) or a circuit_file")
+        else:
+            try:
+                object.__setattr__(self, "architecture", parse_architecture(self.architecture))
+            except UnknownArchitectureError as error:
+                raise TrainingConfigError(str(error)) from None
+        try:
+            object.__setattr__(self, "variant", parse_variant(self.variant))
+        except HeadConfigError as error:
+            raise TrainingConfigError(str(error)) from None
+        try:
+            object.__setattr__(self, "data", DataSource(getattr(self.data, "value", self.data)))
+        except ValueError:
+            known = ", ".join(d.value for d in DataSource)
+            raise TrainingConfigError(f"unknown data source {self.data!r}; choose one of: "
+                                      f"{known}") from None
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        _int("window", self.window, 2)
+        _int("rank", self.rank, 1)
+        if self.architecture is Architecture.FF and self.rank != 1:
+            raise TrainingConfigError(f"the ff (fully factorised) head has rank 1, got rank="
+                                      f"{self.rank}; pass rank=1")
+        for name, minimum in (("lean_rank", 1), ("lora_layers", 0), ("lora_rank", 1),
+                              ("batch_size", 1), ("steps", 1), ("seed", 0), ("eval_every", 1),
+                              ("eval_windows", 1), ("distill_samples", 1),
+                              ("distill_prompt_len", 1)):
+            _int(name, getattr(self, name), minimum)
+        _int("seq_len", self.seq_len, self.window + 1)
+        _positive("learning_rate", self.learning_rate)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("checkpoint_every_s", self.checkpoint_every_s, allow_zero=True)
+        _positive("distill_temperature", self.distill_temperature, allow_zero=True)
+        if self.grad_clip is not None:
+            _positive("grad_clip", self.grad_clip)
+        if self.gamma is not None:
+            _positive("gamma", self.gamma)
+            if self.gamma > 1:
+                raise TrainingConfigError(f"gamma must be in (0, 1], got {self.gamma!r}")
+        if self.max_train_bytes is not None:
+            _int("max_train_bytes", self.max_train_bytes, self.seq_len + 1)
+        if self.data is DataSource.SELF_DISTILLED and \
+                self.seq_len - self.distill_prompt_len < self.window:
+            raise TrainingConfigError(
+                f"self-distilled responses have seq_len - distill_prompt_len = "
+                f"{self.seq_len - self.distill_prompt_len} tokens, fewer than the window "
+                f"{self.window}; raise seq_len or lower distill_prompt_len")
+        if not isinstance(self.bf16, bool):
+            raise TrainingConfigError(f"bf16 must be true or false, got {self.bf16!r}")
+
+    # ------------------------------------------------------------------ JSON
+    @property
+    def response_len(self) -> int:
+        """Generated tokens per self-distilled sequence: ``seq_len - distill_prompt_len``."""
+        return self.seq_len - self.distill_prompt_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (enums as their values)."""
+        values = asdict(self)
+        values["architecture"] = self.architecture.value if self.architecture else None
+        values["variant"] = self.variant.value
+        values["data"] = self.data.value
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> HeadTrainingConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are a :class:`TrainingConfigError`."""
+        if not isinstance(values, dict):
+            raise TrainingConfigError(f"a training config must be a JSON object, got "
+                                      f"{type(values).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise TrainingConfigError(f"unknown training config keys {unknown}")
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> HeadTrainingConfig:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as error:
+            raise TrainingConfigError(f"not a JSON training config ({error})") from None
+
+    def differences(self, other: HeadTrainingConfig, ignore: frozenset[str] = RESUMABLE_FIELDS,
+                    ) -> list[str]:
+        """``"name: mine -> other"`` for every field (outside ``ignore``) that differs."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{name}: {mine[name]!r} -> {theirs[name]!r}" for name in mine
+                if name not in ignore and mine[name] != theirs[name]]

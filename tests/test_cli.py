@@ -1,0 +1,260 @@
+"""CLI smoke tests of ``demo``, ``bench`` and ``generate`` on a tiny random byte-level Llama.
+
+One module-scoped ``demo`` run trains tiny FF and BTree heads into a temporary cache (a couple of
+optimiser steps); the other tests reuse that cache and check the reports, the plot, the errors
+and the atomic writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from circuits_llm import demo as demo_module
+from circuits_llm import report
+from circuits_llm.cli import main
+from circuits_llm.data import decode, evaluation_prompts
+from circuits_llm.metrics import DecodeSummary
+from circuits_llm.report import DecodeMode, DecoderRow, ReportError
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY_RUN = ["--window", "4", "--rank", "4", "--train-steps", "2", "--prompts", "2",
+            "--prompt-bytes", "24", "--new-tokens", "12", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=256, eos_token_id=257,
+                         pad_token_id=258)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("demo")
+    out, cache = root / "out", root / "cache"
+    code = main(["demo", "--model", str(tiny_model), "--out", str(out), "--cache-dir", str(cache),
+                 *TINY_RUN])
+    assert code == 0
+    return {"out": out, "cache": cache, "model": tiny_model}
+
+
+def _args(run: dict, out: Path | None = None) -> list[str]:
+    return ["--model", str(run["model"]), "--out", str(out or run["out"]),
+            "--cache-dir", str(run["cache"]), *TINY_RUN]
+
+
+def test_demo_writes_a_valid_report(demo_run: dict) -> None:
+    result = report.load_report(demo_run["out"] / "results.json")
+    assert result["command"] == "demo"
+    decoders = {(row["decoder"], row["mode"]) for row in result["rows"]}
+    assert decoders == {(d, m.value) for d in ("autoregressive", "ff", "btree") for m in DecodeMode}
+    assert result["greedy_identical"] == {"all": True, "prompts": 2, "mismatches": [],
+                                          "decoders": ["autoregressive", "btree", "ff"]}
+    assert {h: r["cached"] for h, r in result["heads"].items()} == {"ff": False, "btree": False}
+    for row in result["rows"]:
+        assert row["prompts"] == 2 and row["new_tokens"] == 24
+        if row["decoder"] == "autoregressive":
+            assert row["speedup_vs_ar"] == pytest.approx(1.0) and row["acceptance_by_position"] == []
+        else:
+            assert len(row["acceptance_by_position"]) == 3  # window 4: three drafted tokens
+    assert result["sample"]["decoder"] == "btree"
+    assert result["sample"]["prompt"] == decode(evaluation_prompts(2, 24)[0])
+    assert (demo_run["out"] / "table.txt").read_text().startswith("mode")
+
+
+def test_demo_plot_is_a_png(demo_run: dict) -> None:
+    from matplotlib import image
+    path = demo_run["out"] / "tradeoff.png"
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = image.imread(path)
+    assert pixels.shape[0] > 200 and pixels.shape[1] > 400
+    assert not list(demo_run["out"].glob(".*tmp*"))  # no temporary files left behind
+
+
+def test_second_demo_reuses_cached_heads(demo_run: dict, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached head was trained again")
+
+    monkeypatch.setattr("circuits_llm.training.train_head", no_training)
+    assert main(["demo", *_args(demo_run, tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "IDENTICAL" in printed and "----- continuation -----" in printed
+    assert "lat/round" in printed and "per-position acceptance" in printed
+    result = report.load_report(tmp_path / "results.json")
+    assert {h: r["cached"] for h, r in result["heads"].items()} == {"ff": True, "btree": True}
+
+
+def test_bench_uses_more_prompts(demo_run: dict, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    args = _args(demo_run, tmp_path)
+    args[args.index("--prompts") + 1] = "3"
+    assert main(["bench", *args]) == 0
+    assert "----- continuation -----" not in capsys.readouterr().out
+    result = report.load_report(tmp_path / "results.json")
+    assert result["command"] == "bench"
+    assert all(row["prompts"] == 3 for row in result["rows"])
+    assert (tmp_path / "tradeoff.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def _generate(run: dict, head: str, *extra: str) -> int:
+    return main(["generate", "--model", str(run["model"]), "--cache-dir", str(run["cache"]),
+                 "--prompt", "def main(", "--head", head, "--max-new-tokens", "10",
+                 "--threads", "1", *extra])
+
+
+def test_generate_greedy_matches_across_heads(demo_run: dict,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    texts = {}
+    for head in ("ar", "ff", "btree"):
+        assert _generate(demo_run, head) == 0
+        captured = capsys.readouterr()
+        texts[head] = captured.out
+        assert "10 tokens in" in captured.err and "tokens/round" in captured.err
+    assert texts["ar"] == texts["ff"] == texts["btree"]
+    run_dir = next((demo_run["cache"]).glob("*/btree-*"))
+    assert _generate(demo_run, str(run_dir), "--temperature", "1", "--top-k", "20",
+                     "--seed", "3") == 0
+    assert "speculative" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["demo", "--model", "{missing}"], "no such directory"),
+    (["demo", "--model", "{empty}"], "has no config.json"),
+    (["generate", "--model", "{missing}", "--prompt", "x"], "no such directory"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--head", "nonsense"],
+     "expected one of ff, btree"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--head", "ar", "--temperature", "-1"],
+     "temperature must be"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--head", "ff", "--cache-dir",
+      "{empty}"], "no trained ff head"),
+    (["demo", "--model", "{model}", "--window", "1"], "--window must be >= 2"),
+])
+def test_clear_errors(argv: list[str], message: str, tiny_model: Path, tmp_path: Path,
+                      capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    values = {"missing": str(tmp_path / "nope"), "empty": str(tmp_path / "empty"),
+              "model": str(tiny_model)}
+    argv = [a.format(**values) for a in argv] + ["--out", str(tmp_path / "out")] * (argv[0] == "demo")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_embedded_model_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("circuits_llm.embedded.EMBEDDED_MODEL_DIR", tmp_path / "absent")
+    assert main(["generate", "--prompt", "x", "--head", "ar"]) == 2
+    assert "circuits-llm pretrain" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["demo", "--prompts", "0"], ["bench", "--train-seconds", "-3"],
+                                  ["generate"], ["demo", "--variant", "huge"]])
+def test_bad_arguments_exit_with_usage(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+
+
+def test_failed_run_writes_no_results(demo_run: dict, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_plot(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report, "write_tradeoff_plot", broken_plot)
+    with pytest.raises(OSError, match="disk full"):
+        main(["demo", *_args(demo_run, tmp_path / "out")])
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "results.json"
+    report.write_json({"old": 1}, path)
+
+    def failing_replace(src: object, dst: object) -> None:
+        raise OSError("rename failed")
+
+    monkeypatch.setattr(report.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="rename failed"):
+        report.write_json({"new": 2}, path)
+    assert json.loads(path.read_text()) == {"old": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def _row(decoder: str, mode: DecodeMode, throughput: float, accepted: float) -> DecoderRow:
+    summary = DecodeSummary(new_tokens=64, rounds=16, backbone_calls=17, drafted=48, accepted=24,
+                            acceptance_rate=0.5, tokens_per_round=accepted, tokens_per_call=3.8,
+                            acceptance_by_position=(0.75, 0.5, 0.25), conditional_acceptance_by_position=(),
+                            mean_latency_s=accepted / throughput, throughput=throughput)
+    return DecoderRow.from_summary(decoder, mode, 4, summary)
+
+
+def test_speedups_table_and_schema() -> None:
+    rows = report.with_speedups([_row("autoregressive", DecodeMode.GREEDY, 100.0, 1.0),
+                                 _row("ff", DecodeMode.GREEDY, 200.0, 3.0),
+                                 _row("btree", DecodeMode.GREEDY, 300.0, 4.0),
+                                 _row("btree", DecodeMode.SAMPLING, 250.0, 4.0)])
+    by_name = {(r.decoder, r.mode): r for r in rows}
+    assert by_name["btree", DecodeMode.GREEDY].speedup_vs_ar == pytest.approx(3.0)
+    assert by_name["btree", DecodeMode.GREEDY].speedup_vs_ff == pytest.approx(1.5)
+    assert by_name["btree", DecodeMode.SAMPLING].speedup_vs_ar is None
+    table = report.format_table(rows)
+    assert "   3.00   1.50" in table and "   75   50   25" in table
+    record = rows[2].to_json()
+    assert DecoderRow.from_json(json.loads(json.dumps(record))) == rows[2]
+    with pytest.raises(ReportError, match="acceptance rates"):
+        report.check_row({**record, "acceptance_by_position": [1.5]})
+    with pytest.raises(ReportError, match="mode must be"):
+        report.check_row({**record, "mode": "beam"})
+    with pytest.raises(ReportError, match="missing keys"):
+        report.check_row({k: v for k, v in record.items() if k != "throughput"})
+    assert report.iso_levels([150.0, 900.0]) == [100.0, 200.0, 500.0, 1000.0]
+
+
+def test_report_schema_rejects_wrong_kind(demo_run: dict, tmp_path: Path) -> None:
+    result = json.loads((demo_run["out"] / "results.json").read_text())
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**result, "kind": "something else"}))
+    with pytest.raises(ReportError, match="expected kind"):
+        report.load_report(path)
+    path.write_text("{not json")
+    with pytest.raises(ReportError, match="cannot read"):
+        report.load_report(path)
+
+
+def test_head_cache_key_depends_on_model_and_config(tiny_model: Path) -> None:
+    pytest.importorskip("circuits_llm.training")
+    loaded = demo_module.load_model(tiny_model)
+    config = demo_module.ComparisonConfig.demo(quick=True)
+    ff, btree = (demo_module.training_config(config, a) for a in ("ff", "btree"))
+    cache = Path("/cache")
+    assert demo_module.head_dir(cache, loaded.fingerprint, ff) != \
+        demo_module.head_dir(cache, loaded.fingerprint, btree)
+    wider = demo_module.training_config(demo_module.ComparisonConfig.demo(), "btree")
+    assert demo_module.head_dir(cache, loaded.fingerprint, btree) != \
+        demo_module.head_dir(cache, loaded.fingerprint, wider)
+    with torch.no_grad():
+        loaded.model.model.norm.weight.add_(1.0)
+    assert demo_module.model_fingerprint(loaded.model) != loaded.fingerprint
+
+
+def test_training_budget_split() -> None:
+    config = demo_module.ComparisonConfig.demo()
+    shares = {a: demo_module.head_seconds(config, a) for a in config.heads}
+    assert shares["btree"] == pytest.approx(4 * shares["ff"])
+    assert sum(shares.values()) == pytest.approx(config.train_seconds)
+    quick = demo_module.ComparisonConfig.demo(quick=True)
+    assert quick.window == 8 and quick.train_seconds < config.train_seconds
