@@ -12,6 +12,7 @@ packed as ``BOS file-bytes EOS BOS file-bytes EOS ...`` and cut into overlapping
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ class Split(Enum):
 _SPLIT_BUCKETS = {Split.TRAIN: range(0, 90), Split.VALIDATION: range(90, 95), Split.TEST: range(95, 100)}
 
 
+#: Never part of the corpus: third-party packages and bytecode caches (pruned, not walked).
+_SKIPPED_DIRECTORIES = frozenset({"site-packages", "__pycache__"})
+
+
 def stdlib_root() -> Path:
     """The directory holding this interpreter's standard library sources."""
     return Path(sysconfig.get_paths()["stdlib"])
@@ -64,13 +69,14 @@ def corpus_files(split: Split, root: Path | None = None) -> list[Path]:
     if not root.is_dir():
         raise FileNotFoundError(f"no standard library sources at {root}; pass root= explicitly")
     files = []
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if "site-packages" in relative.parts or "__pycache__" in relative.parts:
-            continue
-        if split_of(relative.as_posix()) is split:
-            files.append(path)
-    return files
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = sorted(d for d in subdirectories if d not in _SKIPPED_DIRECTORIES)
+        for name in names:
+            if name.endswith(".py"):
+                path = Path(directory) / name
+                if split_of(path.relative_to(root).as_posix()) is split:
+                    files.append(path)
+    return sorted(files)
 
 
 def encode(text: bytes) -> Tensor:

@@ -19,12 +19,11 @@ where ``N_j`` counts the sequences with ``V_{i,j} > 0`` (the paper's ``N`` whene
 sequence has more than ``j`` tokens), and the loss is ``L = sum_j gamma^(j-1) L_j`` with
 ``gamma = 0.8`` for ``n <= 8`` and ``0.9`` above.
 
-Efficiency: all prefix marginals of all windows come from ONE bottom-up pass over the head's
-compiled circuit in which the ``n`` prefixes of a window share that window's parameters: input
-folds are normalised and read once per window (then masked per prefix), and every sum fold is one
-batched matmul of ``(n, D)`` prefix values against the window's ``(D, K)`` weights. Nothing of
-size ``V`` (vocabulary) is copied ``n`` times, unlike ``CompiledCircuit.log_prefix_marginals``,
-which replicates every parameter tensor once per prefix (identical values; the tests compare).
+Efficiency: all prefix marginals of all windows come from ONE differentiable bottom-up pass,
+:meth:`circuits.compiled.CompiledCircuit.log_prefix_marginals`, in which the ``n`` prefixes of a
+window share that window's parameters: input folds are normalised once per window and every sum
+fold is one batched matmul of ``(n, D)`` prefix values against the window's ``(D, K)`` weights.
+Nothing of size ``V`` (vocabulary) is copied ``n`` times.
 """
 
 from __future__ import annotations
@@ -35,15 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits.compiled import CompiledCircuit
-from circuits.compiled.folding import FoldKind, FoldPlan
 from circuits.errors import InvalidInputError
-from circuits.symbolic import ProductKind
 from circuits_llm.protocols import DraftHead
 
 __all__ = [
-    "MTPLossOutput", "default_gamma", "evaluate_shared", "mtp_loss", "shared_prefix_log_marginals",
-    "window_log_conditionals", "window_targets",
+    "MTPLossOutput", "default_gamma", "mtp_loss", "window_log_conditionals", "window_targets",
 ]
 
 LN2 = math.log(2.0)
@@ -138,127 +133,6 @@ def window_targets(tokens: Tensor, window: int, mask: Tensor | None = None,
     return targets.contiguous(), valid
 
 
-# --------------------------------------------------------------------------- circuit pass
-def _gather(outputs: list[Tensor], plan: FoldPlan) -> list[Tensor]:
-    """A fold's inputs, each ``(F, N, n, K_h)``, read from earlier folds' outputs."""
-    gathered = []
-    for address in plan.inputs:
-        sources = [outputs[s] for s in address.sources]
-        source = sources[0] if len(sources) == 1 else torch.cat(sources, dim=0)
-        if address.index == tuple(range(source.shape[0])):
-            gathered.append(source)
-        else:
-            index = torch.tensor(address.index, device=source.device)
-            gathered.append(source.index_select(0, index))
-    return gathered
-
-
-def _log_matmul_shared(inputs: Tensor, log_weights: Tensor) -> Tensor:
-    """``log(exp(inputs) @ exp(log_weights)^T)`` with weights shared by the ``n`` prefixes.
-
-    Args:
-        inputs: (F, N, n, D) log-values.
-        log_weights: (N, F, K, D) one weight set per window.
-
-    Returns:
-        (F, N, n, K); stable (both operands shifted by their maxima), ``-inf`` for zero values.
-    """
-    weights = log_weights.transpose(0, 1)  # (F, N, K, D)
-    in_max = inputs.detach().amax(-1, keepdim=True)
-    in_max = torch.where(torch.isfinite(in_max), in_max, torch.zeros_like(in_max))
-    w_max = weights.detach().amax(-1, keepdim=True)
-    w_max = torch.where(torch.isfinite(w_max), w_max, torch.zeros_like(w_max))
-    total = torch.matmul(torch.exp(inputs - in_max), torch.exp(weights - w_max).transpose(-1, -2))
-    shift = in_max + w_max.transpose(-1, -2)  # (F, N, n, 1) + (F, N, 1, K)
-    positive = total > 0
-    safe = torch.where(positive, total, torch.ones_like(total))
-    return torch.where(positive, torch.log(safe) + shift, torch.full_like(total, -torch.inf))
-
-
-def evaluate_shared(circuit: CompiledCircuit, params: dict[str, Tensor], x: Tensor,
-                    observed: Tensor, input_leaves: dict[int, Tensor] | None = None) -> Tensor:
-    """Bottom-up pass where each row is evaluated under ``C`` evidence patterns at once.
-
-    The ``C`` patterns of a row share that row's parameters: input folds are normalised and
-    read once per row (then masked per pattern) and every sum fold is one batched matmul of
-    ``(C, D)`` pattern values against the row's ``(D, K)`` weights. Requires a normalised
-    circuit without integrated input layers (every head's circuit).
-
-    Args:
-        circuit: the compiled circuit (e.g. ``head.circuit``).
-        params: external raw parameters for every fold, batch N (e.g. ``head(hidden)``).
-        x: (N, V) long, the values of the variables (read where observed).
-        observed: (C, V) bool, evidence pattern ``c`` observes the variables set in row ``c``.
-        input_leaves: when given, every input fold's masked output ``(F, N, C, K)`` is made a
-            leaf that requires grad and stored by fold id (for derivative-based conditionals).
-
-    Returns:
-        (N, C) log-marginals ``log q(x_{observed[c]})``. Differentiable in ``params``.
-    """
-    x, _ = circuit.validate_data(x)
-    if not circuit.normalized:
-        raise InvalidInputError("evaluate_shared needs a normalised circuit (Softmax parameters)")
-    if not isinstance(observed, Tensor) or observed.dtype != torch.bool or observed.dim() != 2 \
-            or observed.shape[1] != circuit.num_variables:
-        raise InvalidInputError(f"observed must be a (C, {circuit.num_variables}) bool tensor")
-    params = circuit.validate_params(params, x.shape[0])
-    missing = sorted(set(circuit.parameter_shapes()) - set(params))
-    if missing:
-        raise InvalidInputError(f"params must give every fold's parameters; missing {missing}")
-    observed = observed.to(x.device)
-    outputs: list[Tensor] = []
-    for plan, module in zip(circuit.plans, circuit.folds, strict=True):
-        if plan.kind is FoldKind.INPUT:
-            if bool(module.integrated.any()):
-                raise InvalidInputError("evaluate_shared cannot evaluate integrated input layers")
-            log_probs = module.log_probs(params[plan.name])  # (N, F, K, C)
-            values = x[:, module.variables]  # (N, F)
-            index = values[:, :, None, None].expand(-1, -1, log_probs.shape[2], 1)
-            picked = log_probs.gather(3, index).squeeze(3).transpose(0, 1)  # (F, N, K)
-            seen = observed[:, module.variables].T  # (F, C)
-            out = torch.where(seen[:, None, :, None], picked[:, :, None, :],
-                              picked.new_zeros(()))  # normalised: a free variable sums to 1
-            if input_leaves is not None:
-                out = out.detach().requires_grad_(True)
-                input_leaves[plan.fold_id] = out
-        elif plan.kind is FoldKind.SUM:
-            inputs = _gather(outputs, plan)
-            joined = inputs[0] if len(inputs) == 1 else torch.cat(inputs, dim=-1)
-            out = _log_matmul_shared(joined, module.log_weights(params[plan.name]))
-        else:
-            inputs = _gather(outputs, plan)
-            out = inputs[0]
-            for other in inputs[1:]:
-                if plan.product_kind is ProductKind.HADAMARD:
-                    out = out + other
-                else:
-                    out = (out[..., :, None] + other[..., None, :]).flatten(-2)
-        outputs.append(out)
-    return outputs[-1][0, :, :, 0]
-
-
-def shared_prefix_log_marginals(circuit: CompiledCircuit, params: dict[str, Tensor],
-                                x: Tensor) -> Tensor:
-    """``log q(x_0, .., x_i)`` for every prefix ``i = 0..n-1`` of every row, in one pass.
-
-    :func:`evaluate_shared` with the ``n`` prefix patterns, for a circuit over variables
-    ``0 .. n-1``: one circuit evaluation per row plus ``n``-wide sum products.
-
-    Args:
-        circuit: the compiled circuit (e.g. ``head.circuit``).
-        params: external raw parameters, every fold, batch N (e.g. ``head(hidden)``).
-        x: (N, n) long, complete windows.
-
-    Returns:
-        (N, n): column ``i`` marginalises variables ``i+1 .. n-1``. Differentiable in ``params``.
-    """
-    if tuple(circuit.scope) != tuple(range(circuit.num_variables)):
-        raise InvalidInputError(f"shared_prefix_log_marginals needs a circuit over variables "
-                                f"0..n-1, got scope {list(circuit.scope)}")
-    steps = torch.arange(circuit.num_variables, device=circuit.device)
-    return evaluate_shared(circuit, params, x, steps[None, :] <= steps[:, None])
-
-
 # --------------------------------------------------------------------------- loss
 def window_log_conditionals(head: DraftHead, hidden: Tensor, tokens: Tensor,
                             mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -282,7 +156,7 @@ def window_log_conditionals(head: DraftHead, hidden: Tensor, tokens: Tensor,
     params = head(flat_hidden)
     device = head.circuit.device
     x = targets.reshape(-1, window).index_select(0, starts).to(device)
-    marginals = shared_prefix_log_marginals(head.circuit, params, x)  # (N, n)
+    marginals = head.circuit.log_prefix_marginals(x, params=params)  # (N, n), prefixes share
     cond = torch.cat([marginals[:, :1], marginals[:, 1:] - marginals[:, :-1]], dim=1)
     keep = valid.reshape(-1, window).index_select(0, starts).to(device)
     cond = torch.where(keep, cond, cond.new_zeros(()))

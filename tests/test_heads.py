@@ -109,11 +109,76 @@ def test_lean_decoding_and_training_paths_agree() -> None:
         for up in head.inputs.up.values():
             up.normal_()
     states = torch.randn(10, 8, dtype=torch.float64)
-    batched = head(states)  # B > rho: W_lm U formed once
+    batched = head(states)  # B > rho
     for row in range(10):
-        single = head(states[row:row + 1])  # B <= rho: through (B, F, K, d) states
+        single = head(states[row:row + 1])  # B <= rho (decoding)
         for fold, value in single.items():
             torch.testing.assert_close(value[0], batched[fold][row], rtol=1e-12, atol=1e-12)
+
+
+def _lean_reference(head: MTPHead, states: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``W_lm (e + U (V^T e)) + bias`` unit by unit, the LEAN definition written out."""
+    inputs = head.inputs
+    out = {}
+    for name, down in inputs.down.items():
+        folded, units = down.shape[:2]
+        logits = torch.empty(states.shape[0], folded, units, head.vocab_size, dtype=states.dtype)
+        for f in range(folded):
+            for k in range(units):
+                moved = states + (states @ down[f, k]) @ inputs.up[name][f, k]  # (B, d)
+                logits[:, f, k] = moved @ inputs.lm_head.T + inputs.bias[name][f, k]
+        out[name] = logits
+    return out
+
+
+def test_lean_cached_maps_are_exact_and_follow_parameter_updates() -> None:
+    """The decode-time cache of LEAN's derived maps gives bitwise the outputs of the
+    differentiable path, equals the definition, and is rebuilt whenever the parameters change."""
+    head = named("btree", variant=HeadVariant.LEAN, lean_rank=2, dtype=torch.float64)
+    other = named("btree", variant=HeadVariant.LEAN, lean_rank=2, dtype=torch.float64, seed=4)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lean in (head, other):
+            for tensor in [*lean.inputs.up.values(), *lean.inputs.bias.values()]:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=torch.float64))
+    inputs = head.inputs
+    (name,) = list(inputs.down)
+    states = torch.randn(3, 8, generator=generator, dtype=torch.float64)
+
+    def check(reference_head: MTPHead) -> None:
+        fresh = head.inputs(states)  # grad enabled and parameters trainable: no cache
+        assert fresh[name].requires_grad
+        with torch.no_grad():
+            first, second = head.inputs(states), head.inputs(states)
+            maps = inputs.derived_maps(name)
+            assert all(a is b for a, b in zip(maps, inputs.derived_maps(name), strict=True))
+        assert torch.equal(first[name], fresh[name].detach())
+        assert torch.equal(second[name], first[name])
+        expected = _lean_reference(reference_head, states)[name]
+        torch.testing.assert_close(first[name], expected.detach(), rtol=1e-12, atol=1e-12)
+
+    check(head)
+    with torch.no_grad():  # an optimiser step: in place, bumps the version counters
+        inputs.up[name].add_(0.5)
+        inputs.down[name].mul_(1.5)
+    check(head)
+    head.load_state_dict(other.state_dict())
+    check(other)
+    inputs.up[name].data = 2 * inputs.up[name].data  # new storage: a new address
+    check(head)
+    with torch.no_grad():
+        inputs.bias[name].add_(1.0)  # the bias is not part of the cached maps
+    check(head)
+    # maps cached in inference mode never enter an autograd graph later
+    with torch.inference_mode():
+        head(states)
+    head.requires_grad_(False)
+    wanted = states.clone().requires_grad_(True)
+    head(wanted)[name].sum().backward()
+    assert wanted.grad is not None and bool(torch.isfinite(wanted.grad).all())
+    inputs.clear_cache()
+    with torch.no_grad():
+        assert torch.equal(head(states)[name], head(states)[name])
 
 
 # ---------------------------------------------------------------------------------- initialisation

@@ -15,7 +15,6 @@ from circuits_llm.heads import MTPHead
 from circuits_llm.loss import (
     default_gamma,
     mtp_loss,
-    shared_prefix_log_marginals,
     window_log_conditionals,
     window_targets,
 )
@@ -86,15 +85,25 @@ def test_loss_equals_brute_force_with_padding(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_shared_prefix_marginals_match_library_query(name: str) -> None:
+def test_shared_prefix_marginals_match_replicated_parameters(name: str) -> None:
+    """The loss's core query (prefixes share their window's parameters) equals the same query with
+    every parameter tensor replicated once per prefix, in value and in gradient."""
     head = make_head(name, window=5, seed=2)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(6, D, generator=generator, dtype=torch.float64)
     x = torch.randint(0, V, (6, 5), generator=generator)
-    params = head(hidden)
-    ours = shared_prefix_log_marginals(head.circuit, params, x)
-    reference = head.circuit.log_prefix_marginals(x, params=params)
-    assert torch.allclose(ours, reference, atol=1e-12)
+    params = {k: v.detach().requires_grad_(True) for k, v in head(hidden).items()}
+    shared = head.circuit.log_prefix_marginals(x, params=params)  # (6, 5)
+    rows = x.repeat_interleave(5, dim=0)
+    replicated = {k: v.repeat_interleave(5, dim=0) for k, v in params.items()}
+    masks = (torch.arange(5)[None, :] <= torch.arange(5)[:, None]).repeat(6, 1)
+    reference = head.circuit.log_marginal(rows, masks, replicated).view(6, 5)
+    assert torch.allclose(shared, reference, atol=1e-12, rtol=0)
+    weights = torch.randn(6, 5, generator=generator, dtype=torch.float64)
+    ours = torch.autograd.grad((shared * weights).sum(), list(params.values()))
+    theirs = torch.autograd.grad((reference * weights).sum(), list(params.values()))
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a, b, atol=1e-12, rtol=0)
 
 
 def test_padding_does_not_leak() -> None:

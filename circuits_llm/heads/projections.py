@@ -95,6 +95,16 @@ class LeanInputs(nn.Module):
     Buffer ``lm_head`` (V, d), frozen (never trained, saved with the head). Parameters per fold:
     ``down`` (F, K, d, rho) drawn ``N(0, 1/d)``, ``up`` (F, K, rho, d) zero-initialised, so every
     unit starts exactly at the LM head; ``bias`` (F, K, V) zero-initialised when ``bias``.
+
+    A call computes ``logits = W_lm e + (W_lm U) (V^T e) + bias`` from two derived maps per fold
+    (:meth:`derived_maps`): ``V`` flattened to a ``(d, F K rho)`` matrix (one matmul gives every
+    unit's codes) and the products ``W_lm U`` as ``(F K, rho, V)`` (one batched matmul gives every
+    unit's logits): ``B d F K rho + B F K rho V`` multiply-adds per call instead of the
+    ``B F K d V`` of pushing ``F K`` transformed states through the LM head. When no gradient
+    reaches ``down`` / ``up`` (decoding, evaluation, frozen heads) the maps are cached and rebuilt
+    only after those tensors change (in-place updates, ``load_state_dict``, ``.to()``); edits
+    through ``tensor.data`` bypass PyTorch's version counters: call :meth:`clear_cache` after
+    them. Cached and freshly built maps are the same tensors, so outputs are bitwise equal.
     """
 
     def __init__(self, folds: list[FoldShape], hidden_size: int, vocab_size: int, bias: bool,
@@ -116,30 +126,63 @@ class LeanInputs(nn.Module):
             if bias:
                 self.bias[fold.name] = nn.Parameter(
                     torch.zeros(fold.folded, fold.units, vocab_size, dtype=dtype))
+        #: fold name -> (key, source aliases, (down_flat, vocab_up)); see :meth:`derived_maps`.
+        self._cache: dict[str, tuple[tuple[object, ...], tuple[Tensor, ...],
+                                     tuple[Tensor, Tensor]]] = {}
+
+    def clear_cache(self) -> None:
+        """Drop the cached derived maps (needed only after edits through ``tensor.data``)."""
+        self._cache.clear()
+
+    def _build_maps(self, name: str) -> tuple[Tensor, Tensor]:
+        down, up = self.down[name], self.up[name]
+        folded, units, dim, rank = down.shape
+        down_flat = down.permute(2, 0, 1, 3).reshape(dim, folded * units * rank)
+        vocab_up = torch.matmul(up.reshape(folded * units, rank, dim), self.lm_head.T)
+        return down_flat, vocab_up
+
+    def derived_maps(self, name: str) -> tuple[Tensor, Tensor]:
+        """Fold ``name``'s ``(down_flat (d, F K rho), vocab_up (F K, rho, V))``.
+
+        Differentiable when a gradient must reach ``down`` or ``up``; otherwise cached, keyed by
+        the storage and version counter of ``down``, ``up`` and ``lm_head`` (and by inference
+        mode, whose tensors cannot enter autograd graphs later).
+        """
+        down, up = self.down[name], self.up[name]
+        if torch.is_grad_enabled() and (down.requires_grad or up.requires_grad):
+            return self._build_maps(name)
+        key = (torch.is_inference_mode_enabled(),
+               *((t.data_ptr(), t._version, t.dtype, t.device) for t in (down, up, self.lm_head)))
+        hit = self._cache.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[2]
+        with torch.no_grad():
+            maps = self._build_maps(name)
+        # the aliases keep the source storages alive, so a reallocated tensor never reuses
+        # their addresses while this entry exists
+        self._cache[name] = (key, (down.detach(), up.detach(), self.lm_head), maps)
+        return maps
 
     def forward(self, hidden: Tensor) -> dict[str, Tensor]:
         """``hidden`` (B, d) -> ``{name: logits (B, F, K, V)}``.
 
-        ``logits = W_lm e + (W_lm U) (V^T e) + bias``, with ``(B, F, K, rho)`` codes ``V^T e``. For
-        ``B <= rho`` (decoding) the codes go back to ``(B, F, K, d)`` states, then through the LM
-        head (``B F K d V`` multiply-adds); for larger ``B`` (training) ``W_lm U`` (F, K, V, rho) is
-        formed once and applied to the codes (``F K V d rho + B F K rho V``), which is ``~d/rho``
-        times cheaper. Both give the same values.
+        Per fold: codes ``(B, F K rho) = e V`` (one matmul), then ``(F K, B, V) = bias + codes
+        (W_lm U)`` (one batched matmul) plus the shared ``W_lm e`` (B, V).
         """
         out = {}
-        base = nnf.linear(hidden, self.lm_head)[:, None, None, :]  # (B, 1, 1, V)
+        batch = hidden.shape[0]
+        base = nnf.linear(hidden, self.lm_head)  # (B, V)
         for name, down in self.down.items():
-            up = self.up[name]
-            codes = torch.einsum("bd,fkdr->bfkr", hidden, down)
-            if hidden.shape[0] > down.shape[-1]:
-                vocab_up = torch.einsum("fkrd,vd->fkrv", up, self.lm_head)
-                delta = torch.einsum("bfkr,fkrv->bfkv", codes, vocab_up)
-            else:
-                delta = nnf.linear(torch.einsum("bfkr,fkrd->bfkd", codes, up), self.lm_head)
-            logits = base + delta
+            folded, units, _, rank = down.shape
+            down_flat, vocab_up = self.derived_maps(name)
+            codes = (hidden @ down_flat).view(batch, folded * units, rank).transpose(0, 1)
             if name in self.bias:
-                logits = logits + self.bias[name]
-            out[name] = logits
+                bias = self.bias[name].view(folded * units, 1, -1)
+                delta = torch.baddbmm(bias, codes, vocab_up)  # (F K, B, V)
+            else:
+                delta = torch.bmm(codes, vocab_up)
+            logits = delta.transpose(0, 1) + base[:, None, :]  # (B, F K, V)
+            out[name] = logits.reshape(batch, folded, units, -1)
         return out
 
 
