@@ -7,10 +7,12 @@ Backbone: a byte-level Llama built from a config with random weights (4 layers, 
 reported). For every head (FF, CP, HMM, BTree; rank 32; windows 8 and 16; LEAN and FULL) it
 reports, from ONE run:
 
-* the head's cost per round, split into parameterise (``head(e)``), draft (sampling:
+* the head's cost per round, split as in :class:`~circuits_llm.decoder.SpeculativeDecoder`:
+  parameterise (``head(e)``), draft (``circuit.log_parameters`` once per round, then sampling:
   ``conditional_sample``; greedy: ``map_state``) and the exact draft conditionals
-  (``log_prefix_conditionals``, sampling only), against the verify forward (one ``extend`` of
-  ``n`` tokens) and one plain AR step (one ``extend`` of 1 token): medians of interleaved repeats;
+  (``log_prefix_conditionals`` on the same log-parameters, sampling only), against the verify
+  forward (one ``extend`` of ``n`` tokens) and one plain AR step (one ``extend`` of 1 token):
+  medians of interleaved repeats;
 * decoding with :class:`~circuits_llm.decoder.SpeculativeDecoder` against
   :class:`~circuits_llm.decoder.AutoregressiveDecoder` on the same backbone and prompt, greedy
   and sampling: tokens per call, throughput, speed-up;
@@ -21,8 +23,7 @@ reports, from ONE run:
 With random weights the draft and the target are unrelated: acceptance (hence the measured
 speed-up) is meaningless and only the latencies and the forced bound carry information. The key
 number is the BTree n=16 r=32 head round as a fraction of one verify forward (target <= 15%);
-for that head the three phases are also profiled (top torch ops). A prototype of a cheaper exact
-conditional query (:mod:`benchmarks.spec_tools`) is timed and checked next to it.
+for that head the three phases are also profiled (top torch ops).
 
 Results are printed as tables and written atomically as JSON (default
 ``benchmarks/results/decoder_bench.json``) with machine, load and thread information.
@@ -52,11 +53,8 @@ import transformers
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.spec_tools import (
-    CachedLeanParameters,
-    ForcedAcceptance,
-    shared_draft_conditionals,
-)
+from benchmarks.spec_tools import ForcedAcceptance
+from circuits.compiled.circuit import LogParameters
 from circuits_llm import data
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoder import (
@@ -65,7 +63,7 @@ from circuits_llm.decoder import (
     draft_conditionals,
     draft_window,
 )
-from circuits_llm.heads import HeadVariant, MTPHead
+from circuits_llm.heads import MTPHead
 from circuits_llm.metrics import DecodeSummary
 
 SCHEMA_VERSION = 1
@@ -75,8 +73,7 @@ RANDOM_WEIGHTS_NOTE = (
     "random weights: the draft head and the target model are unrelated, so acceptance rates and "
     "the measured speed-ups are meaningless; only latencies and the forced-acceptance bound "
     "(every draft accepted at the real round cost) carry information")
-PHASES = ("parameterise", "draft_sample", "draft_greedy", "conditionals", "parameterise_cached",
-          "conditionals_shared", "verify", "ar_step")
+PHASES = ("parameterise", "draft_sample", "draft_greedy", "conditionals", "verify", "ar_step")
 
 
 @dataclass(frozen=True)
@@ -158,6 +155,30 @@ def backbone_timings(backbone: HFBackbone, windows: tuple[int, ...], rounds: int
     return interleaved_medians(candidates, rounds)
 
 
+def round_phases(head: MTPHead, hidden: Tensor, c: int,
+                 generator: torch.Generator) -> dict[str, Callable[[], object]]:
+    """The head's phases of a round, as :class:`SpeculativeDecoder` runs them.
+
+    ``draft_*`` include the round's one ``circuit.log_parameters``; ``conditionals`` reuses the
+    log-parameters of a fixed draft, but recomputes what a round computes once (their ``exp``).
+    """
+    with torch.no_grad():
+        params = head(hidden)
+        prepared = head.circuit.log_parameters(params)
+        draft = draft_window(head.circuit, prepared, c, False, generator)
+
+    def draft_phase(greedy: bool) -> Tensor:
+        return draft_window(head.circuit, head.circuit.log_parameters(params), c, greedy,
+                            generator)
+
+    def conditionals() -> Tensor:
+        fresh = LogParameters(prepared.values, prepared.batch)  # no exp cached yet
+        return draft_conditionals(head.circuit, fresh, c, draft[None])
+
+    return {"parameterise": lambda: head(hidden), "draft_sample": lambda: draft_phase(False),
+            "draft_greedy": lambda: draft_phase(True), "conditionals": conditionals}
+
+
 def head_timings(head: MTPHead, backbone: HFBackbone, hidden: Tensor, c: int,
                  rounds: int) -> dict[str, Any]:
     """Median seconds of each phase of a round, interleaved with the verify forward and an AR step.
@@ -166,30 +187,12 @@ def head_timings(head: MTPHead, backbone: HFBackbone, hidden: Tensor, c: int,
     the head/verify ratio robust to load drift. ``backbone`` must hold the context.
     """
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        params = head(hidden)
-        draft = draft_window(head.circuit, params, c, False, generator)
-        reference = draft_conditionals(head.circuit, params, c, draft[None])[0]
-        shared = shared_draft_conditionals(head.circuit, params, c, draft)
-        lean = CachedLeanParameters(head) if head.variant is HeadVariant.LEAN else None
-        cached = lean(hidden) if lean is not None else params
     candidates = {
-        "parameterise": lambda: head(hidden),
-        "draft_sample": lambda: draft_window(head.circuit, params, c, False, generator),
-        "draft_greedy": lambda: draft_window(head.circuit, params, c, True, generator),
-        "conditionals": lambda: draft_conditionals(head.circuit, params, c, draft[None]),
-        "conditionals_shared": lambda: shared_draft_conditionals(head.circuit, params, c, draft),
+        **round_phases(head, hidden, c, generator),
         "verify": _block_step(backbone, head.window, generator),
         "ar_step": _block_step(backbone, 1, generator),
     }
-    if lean is not None:
-        candidates["parameterise_cached"] = lambda: lean(hidden)
-    result: dict[str, Any] = dict(interleaved_medians(candidates, rounds))
-    result.setdefault("parameterise_cached", result["parameterise"])  # FULL: no prototype
-    result["conditionals_shared_max_abs_diff"] = float((reference - shared).abs().max())
-    result["parameterise_cached_max_abs_diff"] = max(
-        float((cached[k] - v).abs().max()) for k, v in params.items())
-    return result
+    return dict(interleaved_medians(candidates, rounds))
 
 
 def profile_phases(head: MTPHead, hidden: Tensor, c: int, calls: int = 5,
@@ -201,15 +204,8 @@ def profile_phases(head: MTPHead, hidden: Tensor, c: int, calls: int = 5,
     """
     from torch.profiler import ProfilerActivity, profile
 
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        params = head(hidden)
-        draft = draft_window(head.circuit, params, c, False, generator)
-    phases = {
-        "parameterise": lambda: head(hidden),
-        "draft_sample": lambda: draft_window(head.circuit, params, c, False, generator),
-        "conditionals": lambda: draft_conditionals(head.circuit, params, c, draft[None]),
-    }
+    phases = round_phases(head, hidden, c, torch.Generator().manual_seed(0))
+    del phases["draft_greedy"]
     result: dict[str, dict[str, Any]] = {}
     for name, fn in phases.items():
         with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -308,9 +304,6 @@ def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print) -> di
                     "variant": variant, "parameters": head.num_parameters(),
                     "phases_s": phases, "round_sampling_s": sampling, "round_greedy_s": greedy,
                     "round_over_verify": {"sampling": sampling / verify, "greedy": greedy / verify},
-                    "round_over_verify_prototypes": (
-                        phases["parameterise_cached"] + phases["draft_sample"]
-                        + phases["conditionals_shared"]) / verify,
                     "decode": {mode: decode_block(backbone, head, prompt, config, mode == "greedy")
                                for mode in ("greedy", "sampling")},
                 }
@@ -347,7 +340,6 @@ def _target(heads: list[dict[str, Any]]) -> dict[str, Any] | None:
         "variants": {h["variant"]: {
             "ratio_sampling": h["round_over_verify"]["sampling"],
             "ratio_greedy": h["round_over_verify"]["greedy"],
-            "ratio_with_prototypes": h["round_over_verify_prototypes"],
             "met": h["round_over_verify"]["sampling"] <= TARGET_RATIO,
             "phases_s": {k: h["phases_s"][k] for k in PHASES}} for h in rows},
     }
@@ -364,23 +356,19 @@ def format_tables(result: dict[str, Any]) -> str:
              f"NOTE: {result['note']}",
              "backbone: " + ", ".join(f"{k} {v * ms:.2f} ms" for k, v in timings.items()), "",
              f"{'head':<16}{'params':>11}{'param':>7}{'samp':>7}{'map':>7}{'cond':>7}"
-             f"{'param*':>7}{'cond*':>7}{'verify':>7}{'AR':>7}{'rnd/ver':>8}{'greedy':>7}"
-             f"{'proto':>7}"]
+             f"{'verify':>7}{'AR':>7}{'rnd/ver':>8}{'greedy':>7}"]
     for h in result["heads"]:
         p = h["phases_s"]
         name = f"{h['architecture']} n={h['window']} {h['variant']}"
         lines.append(f"{name:<16}{h['parameters']:>11,}{p['parameterise'] * ms:>7.2f}"
                      f"{p['draft_sample'] * ms:>7.2f}{p['draft_greedy'] * ms:>7.2f}"
-                     f"{p['conditionals'] * ms:>7.2f}{p['parameterise_cached'] * ms:>7.2f}"
-                     f"{p['conditionals_shared'] * ms:>7.2f}"
+                     f"{p['conditionals'] * ms:>7.2f}"
                      f"{p['verify'] * ms:>7.2f}{p['ar_step'] * ms:>7.2f}"
                      f"{h['round_over_verify']['sampling']:>8.2f}"
-                     f"{h['round_over_verify']['greedy']:>7.2f}"
-                     f"{h['round_over_verify_prototypes']:>7.2f}")
-    lines.append("(ms: param = head(e), samp = conditional_sample, map = map_state, cond = "
-                 "log_prefix_conditionals; prototypes: param* = cached LEAN maps (FULL: = param), "
-                 "cond* = shared-parameter conditionals. Ratios of verify_n: rnd/ver = "
-                 "param+samp+cond, greedy = param+map, proto = param*+samp+cond*)")
+                     f"{h['round_over_verify']['greedy']:>7.2f}")
+    lines.append("(ms: param = head(e), samp = log_parameters + conditional_sample, map = "
+                 "log_parameters + map_state, cond = log_prefix_conditionals on the same "
+                 "log-parameters. Ratios of verify_n: rnd/ver = param+samp+cond, greedy = param+map)")
     lines += ["", f"{'head':<16}{'mode':<9}{'tok/call':>9}{'lat ms':>8}{'tok/s':>8}{'AR tok/s':>9}"
               f"{'xAR':>6}{'forced':>8}{'xAR':>6}{'match':>7}"]
     for h in result["heads"]:
@@ -401,8 +389,7 @@ def format_tables(result: dict[str, Any]) -> str:
                 f"verify forward ({p['verify'] * ms:.2f} ms; target <= "
                 f"{target['target']:.0%}, met={t['met']}): parameterise {p['parameterise'] * ms:.2f}"
                 f" + conditional_sample {p['draft_sample'] * ms:.2f} + log_prefix_conditionals "
-                f"{p['conditionals'] * ms:.2f} ms; greedy round {t['ratio_greedy']:.0%}; with the "
-                f"prototypes (param* + samp + cond*) {t['ratio_with_prototypes']:.0%}")
+                f"{p['conditionals'] * ms:.2f} ms; greedy round {t['ratio_greedy']:.0%}")
     return "\n".join(lines)
 
 

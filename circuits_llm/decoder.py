@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from circuits.compiled import CompiledCircuit
+from circuits.compiled.circuit import LogParameters
 from circuits.compiled.queries import log_prefix_conditionals
 from circuits.compiled.sampling import conditional_sample, map_state
 from circuits_llm.metrics import DecodeResult, RoundKind, RoundStats, summarize
@@ -158,12 +159,13 @@ def _window_evidence(circuit: CompiledCircuit, c: int, rows: int) -> tuple[Tenso
     return x, observed
 
 
-def draft_window(circuit: CompiledCircuit, params: dict[str, Tensor], c: int, greedy: bool,
-                 generator: torch.Generator | None) -> Tensor:
+def draft_window(circuit: CompiledCircuit, params: dict[str, Tensor] | LogParameters, c: int,
+                 greedy: bool, generator: torch.Generator | None) -> Tensor:
     """Draft ``d_1..d_{n-1}`` given ``X_0 = c``: (n-1,) long.
 
     Sampling: an exact draw from ``q(X_1..X_{n-1} | X_0 = c)`` (``conditional_sample``).
     Greedy: the max-product completion (``map_state``); any deterministic draft is correct.
+    ``params`` (batch 1) may be raw or prepared once per round by ``circuit.log_parameters``.
     """
     x, observed = _window_evidence(circuit, c, 1)
     if greedy:
@@ -173,12 +175,14 @@ def draft_window(circuit: CompiledCircuit, params: dict[str, Tensor], c: int, gr
     return state[0, 1:]
 
 
-def draft_conditionals(circuit: CompiledCircuit, params: dict[str, Tensor], c: int,
-                       drafts: Tensor) -> Tensor:
+def draft_conditionals(circuit: CompiledCircuit, params: dict[str, Tensor] | LogParameters,
+                       c: int, drafts: Tensor) -> Tensor:
     """Exact conditionals ``q(X_k | X_0 = c, d_1..d_{k-1})`` for ``k = 1..n-1``.
 
     Args:
-        params: the circuit parameters of one window (batch 1).
+        params: the circuit parameters of one window (batch 1), raw or from
+            ``circuit.log_parameters`` (then shared with :func:`draft_window`: nothing is
+            normalised twice in a round).
         drafts: (B, n-1) long, B drafts sharing those parameters.
 
     Returns:
@@ -186,8 +190,15 @@ def draft_conditionals(circuit: CompiledCircuit, params: dict[str, Tensor], c: i
     """
     x, _ = _window_evidence(circuit, c, drafts.shape[0])
     x[:, 1:] = drafts
-    expanded = {k: v.expand(drafts.shape[0], *v.shape[1:]) for k, v in params.items()}
-    return log_prefix_conditionals(circuit, x, None, expanded)[:, 1:].double().exp()
+    rows = drafts.shape[0]
+    shared: dict[str, Tensor] | LogParameters
+    if isinstance(params, LogParameters):
+        shared = params if params.batch in (None, rows) else LogParameters(
+            {k: v.expand(rows, *v.shape[1:]) if v.dim() == 4 else v
+             for k, v in params.values.items()}, rows)
+    else:
+        shared = {k: v.expand(rows, *v.shape[1:]) for k, v in params.items()}
+    return log_prefix_conditionals(circuit, x, None, shared)[:, 1:].double().exp()
 
 
 def _now(device: torch.device) -> float:
@@ -375,12 +386,13 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         t0 = _now(clock)
         params = self.head(hidden)
         t1 = _now(clock)
-        draft = draft_window(circuit, params, c, config.greedy, generator)
+        prepared = circuit.log_parameters(params)  # normalised once for the draft and q
+        draft = draft_window(circuit, prepared, c, config.greedy, generator)
         t2 = _now(clock)
         if config.greedy:  # a deterministic draft's law is a point mass on it
             q = torch.nn.functional.one_hot(draft, self.head.vocab_size).double()
         else:
-            q = draft_conditionals(circuit, params, c, draft[None])[0]
+            q = draft_conditionals(circuit, prepared, c, draft[None])[0]
         t3 = _now(clock)
         step = self.backbone.extend(torch.cat([draft.new_tensor([c]), draft])[None])
         p = target_probs(step.verifier_logits[0], config)

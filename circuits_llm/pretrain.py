@@ -17,7 +17,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +28,10 @@ from circuits_llm.checkpoint import CheckpointError, load_checkpoint, save_check
 from circuits_llm.data import VOCAB_SIZE, SpecialToken, Split, corpus_files, pack
 
 CHECKPOINT_KIND = "circuits_llm.pretrain"
+
+#: Settings a resumed run may change: the schedule length (the cosine decay is recomputed from
+#: the current step) and how often it evaluates or checkpoints. Everything else must match.
+RESUMABLE_CHANGES = ("total_steps", "eval_every", "checkpoint_every_s")
 
 
 @dataclass(frozen=True)
@@ -161,14 +165,19 @@ def run_pretraining(config: PretrainConfig, run_dir: str | Path, *, max_seconds:
     step, bytes_seen, elapsed, best, history = 0, 0, 0.0, math.inf, []
     if checkpoint_path.exists():
         state = load_checkpoint(checkpoint_path, CHECKPOINT_KIND)
-        if PretrainConfig.from_dict(state["config"]) != config:
+        saved = PretrainConfig.from_dict(state["config"])
+        if replace(saved, **{name: getattr(config, name) for name in RESUMABLE_CHANGES}) != config:
             raise CheckpointError(f"{checkpoint_path} was written with a different configuration; "
-                                  "use a new run directory or the same settings")
+                                  "use a new run directory or the same settings (only "
+                                  f"{', '.join(RESUMABLE_CHANGES)} may change on resume)")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         step, bytes_seen, elapsed = state["step"], state["bytes_seen"], state["elapsed"]
         best, history = state["best"], state["history"]
+        if saved.total_steps != config.total_steps:
+            history.append({"step": step, "schedule_total_steps": config.total_steps,
+                            "previous_total_steps": saved.total_steps})
     train, validation = _streams(config, root)
     model.train()
     limit = config.total_steps if max_steps is None else min(config.total_steps, max_steps)
@@ -178,7 +187,8 @@ def run_pretraining(config: PretrainConfig, run_dir: str | Path, *, max_seconds:
         bar = tqdm(total=limit, initial=step, desc="pretrain", unit="step", dynamic_ncols=True)
     started, last_save = time.perf_counter(), time.perf_counter()
     session_start_elapsed = elapsed
-    latest_val = history[-1]["validation_bits_per_byte"] if history else math.nan
+    evaluations = [h for h in history if "validation_bits_per_byte" in h]
+    latest_val = evaluations[-1]["validation_bits_per_byte"] if evaluations else math.nan
 
     def save() -> None:
         save_checkpoint(checkpoint_path, CHECKPOINT_KIND, {

@@ -52,8 +52,6 @@ def test_tiny_run_schema_and_greedy_exactness(tmp_path: Path) -> None:
     for head in heads:
         assert set(PHASES) <= set(head["phases_s"])
         assert all(head["phases_s"][k] > 0 for k in PHASES)
-        assert head["phases_s"]["conditionals_shared_max_abs_diff"] < 1e-5
-        assert head["phases_s"]["parameterise_cached_max_abs_diff"] < 1e-4
         assert head["round_over_verify"]["sampling"] > 0
         for mode in ("greedy", "sampling"):
             decode = head["decode"][mode]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-RUNNABLE_PAGES = ["tutorial-circuits.md", "tutorial-llm.md"]
+RUNNABLE_PAGES = ["tutorial-circuits.md", "tutorial-llm.md", "decoder-exactness.md"]
 
 
 def python_blocks(page: Path) -> list[str]:

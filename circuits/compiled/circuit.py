@@ -9,6 +9,9 @@ Parameters supplied per call ("external" or "conditional" parameters) are a mapp
 name to a raw tensor with a leading batch dimension, ``params[name].shape == (B, *shape)`` where
 ``shape = compiled.parameter_shapes()[name]``. Folds missing from the mapping use the module's
 own parameters. This is what lets a neural network (e.g. an LLM head) emit one circuit per row.
+Several queries on the same parameters can share one normalisation:
+``prepared = compiled.log_parameters(params)`` (:class:`LogParameters`) is accepted wherever
+``params`` is.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from circuits.compiled.layers import (
     FoldedProduct,
     FoldedSum,
     Semiring,
+    exp_weights,
     gather_inputs,
 )
 from circuits.errors import InvalidInputError
@@ -65,6 +69,42 @@ class Trace:
     outputs: list[Tensor] = field(default_factory=list)
     sum_inputs: dict[int, Tensor] = field(default_factory=dict)
     log_params: dict[int, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LogParameters:
+    """Every parameterised fold's normalised log-parameters, computed once for several queries.
+
+    Made by :meth:`CompiledCircuit.log_parameters`; every query accepts it in place of a raw
+    ``params`` mapping and then skips the parameterisation (e.g. a log-softmax over a
+    vocabulary) that it would otherwise recompute. ``values[fold_id]`` is ``(F, K, D)`` for the
+    module's own parameters or ``(S, F, K, D)`` for external ones; ``batch`` is ``S`` (None when
+    every fold uses the module's own). Differentiable when the raw parameters were.
+    """
+
+    values: dict[int, Tensor]
+    batch: int | None
+    #: tensors derived from ``values`` (gradient-free), filled on demand by the methods below.
+    _derived: dict[tuple[str, int], object] = field(default_factory=dict, compare=False,
+                                                    repr=False)
+
+    def probs(self, fold_id: int) -> Tensor:
+        """``exp(values[fold_id])`` of an input fold, computed once (no gradient)."""
+        key = ("probs", fold_id)
+        if key not in self._derived:
+            self._derived[key] = self.values[fold_id].detach().exp()
+        return self._derived[key]  # type: ignore[return-value]
+
+    def exp_weights(self, fold_id: int) -> tuple[Tensor, Tensor]:
+        """:func:`~circuits.compiled.layers.exp_weights` of a sum fold, computed once."""
+        key = ("exp_weights", fold_id)
+        if key not in self._derived:
+            self._derived[key] = exp_weights(self.values[fold_id].detach())
+        return self._derived[key]  # type: ignore[return-value]
+
+
+#: what every query accepts as parameters: raw external tensors or prepared log-parameters.
+ParamsLike = Params | LogParameters
 
 
 class CompiledCircuit(nn.Module):
@@ -136,10 +176,20 @@ class CompiledCircuit(nn.Module):
         return next(self.parameters()).device
 
     # ------------------------------------------------------------------ validation
-    def validate_params(self, params: Params | None, batch_size: int | None) -> dict[str, Tensor]:
-        """Check an external-parameter mapping; returns it as a dict (empty when None)."""
+    def validate_params(self, params: ParamsLike | None,
+                        batch_size: int | None) -> dict[str, Tensor] | LogParameters:
+        """Check an external-parameter mapping; returns it as a dict (empty when None).
+
+        A :class:`LogParameters` is returned as it is once its batch matches ``batch_size``.
+        """
         if params is None:
             return {}
+        if isinstance(params, LogParameters):
+            if params.batch is not None and batch_size is not None and params.batch != batch_size:
+                raise InvalidInputError(
+                    f"the log-parameters hold {params.batch} parameter sets but the data has "
+                    f"{batch_size} rows; give one parameter set per data row")
+            return params
         if not isinstance(params, Mapping):
             raise InvalidInputError(
                 f"params must be a mapping from fold names to tensors, got {type(params).__name__}")
@@ -163,11 +213,30 @@ class CompiledCircuit(nn.Module):
             checked[name] = value
         return checked
 
-    def params_batch_size(self, params: Mapping[str, Tensor]) -> int | None:
+    def params_batch_size(self, params: Mapping[str, Tensor] | LogParameters) -> int | None:
+        if isinstance(params, LogParameters):
+            return params.batch
         sizes = {int(v.shape[0]) for v in params.values()}
         if len(sizes) > 1:
             raise InvalidInputError(f"external parameters disagree on the batch size: {sorted(sizes)}")
         return sizes.pop() if sizes else None
+
+    def log_parameters(self, params: ParamsLike | None = None) -> LogParameters:
+        """Normalise every fold's parameters once (:class:`LogParameters`) for several queries.
+
+        Args:
+            params: optional external raw parameters with batch S (see the module docstring).
+        """
+        checked = self.validate_params(params, None)
+        if isinstance(checked, LogParameters):
+            return checked
+        values: dict[int, Tensor] = {}
+        for plan, module in zip(self.plans, self.folds, strict=True):
+            if isinstance(module, FoldedInput):
+                values[plan.fold_id] = module.log_probs(checked.get(plan.name))
+            elif isinstance(module, FoldedSum):
+                values[plan.fold_id] = module.log_weights(checked.get(plan.name))
+        return LogParameters(values, self.params_batch_size(checked))
 
     def validate_data(self, x: Tensor, observed: Tensor | None = None,
                       check_range: bool = True) -> tuple[Tensor, Tensor]:
@@ -209,7 +278,8 @@ class CompiledCircuit(nn.Module):
         return x, observed
 
     # ------------------------------------------------------------------ bottom-up pass
-    def evaluate(self, x: Tensor, observed: Tensor, params: Mapping[str, Tensor] | None = None,
+    def evaluate(self, x: Tensor, observed: Tensor,
+                 params: Mapping[str, Tensor] | LogParameters | None = None,
                  semiring: Semiring = Semiring.SUM, trace: Trace | None = None,
                  input_leaves: dict[int, Tensor] | None = None) -> Tensor:
         """Bottom-up pass on validated data; returns the output log-value ``(B,)``.
@@ -219,17 +289,20 @@ class CompiledCircuit(nn.Module):
             params: validated external parameters (see :meth:`validate_params`) with batch ``S``
                 dividing ``B``: set ``s`` serves rows ``s * B/S .. (s+1) * B/S - 1``. ``S = B`` is
                 one set per row; ``S < B`` lets several evidence patterns of one row share its
-                parameters without copying them (the prefix queries do this).
+                parameters without copying them (the prefix queries do this). A
+                :class:`LogParameters` (same batch rule) skips the parameterisations.
             semiring: SUM for probabilities, MAX for max-product values.
             trace: when given, filled with every fold's output (used by top-down passes).
             input_leaves: when given, input fold outputs are detached into fresh tensors that
                 require grad and are stored here by fold id (used for conditionals).
         """
-        params = params or {}
+        prepared = params.values if isinstance(params, LogParameters) else None
+        raw: Mapping[str, Tensor] = {} if isinstance(params, LogParameters) else (params or {})
         outputs: list[Tensor] = []
         for plan, module in zip(self.plans, self.folds, strict=True):
             if isinstance(module, FoldedInput):
-                log_probs = module.log_probs(params.get(plan.name))
+                log_probs = prepared[plan.fold_id] if prepared is not None else \
+                    module.log_probs(raw.get(plan.name))
                 out = module(x, observed, log_probs, semiring)
                 if input_leaves is not None:
                     out = out.detach().requires_grad_(True)
@@ -240,8 +313,15 @@ class CompiledCircuit(nn.Module):
                 inputs = gather_inputs(outputs, plan, module.index_buffers(),
                                        module.input_slices, module.routes)
                 joined = inputs[0] if len(inputs) == 1 else torch.cat(inputs, dim=-1)
-                log_weights = module.log_weights(params.get(plan.name))
-                out = module(joined, log_weights, semiring)
+                weights = None
+                if prepared is not None:
+                    log_weights = prepared[plan.fold_id]
+                    if semiring is Semiring.SUM and not log_weights.requires_grad:
+                        assert isinstance(params, LogParameters)
+                        weights = params.exp_weights(plan.fold_id)  # shared by passes
+                else:
+                    log_weights = module.log_weights(raw.get(plan.name))
+                out = module(joined, log_weights, semiring, weights)
                 if trace is not None:
                     trace.sum_inputs[plan.fold_id] = joined
                     trace.log_params[plan.fold_id] = log_weights
@@ -256,62 +336,62 @@ class CompiledCircuit(nn.Module):
 
     # ------------------------------------------------------------------ queries
     def forward(self, x: Tensor, observed: Tensor | None = None,
-                params: Params | None = None) -> Tensor:
+                params: ParamsLike | None = None) -> Tensor:
         """Log-likelihood (all observed) or log-marginal (``observed`` mask) per row: ``(B,)``."""
         x, observed = self.validate_data(x, observed)
         return self.evaluate(x, observed, self.validate_params(params, x.shape[0]))
 
-    def log_likelihood(self, x: Tensor, params: Params | None = None) -> Tensor:
+    def log_likelihood(self, x: Tensor, params: ParamsLike | None = None) -> Tensor:
         """``log c(x)`` for complete data ``x`` (B, V): ``(B,)``."""
         return self.forward(x, None, params)
 
-    def log_marginal(self, x: Tensor, observed: Tensor, params: Params | None = None) -> Tensor:
+    def log_marginal(self, x: Tensor, observed: Tensor, params: ParamsLike | None = None) -> Tensor:
         """``log sum_{unobserved} c(x)``: the marginal of the observed variables, ``(B,)``."""
         return self.forward(x, observed, params)
 
-    def log_partition(self, params: Params | None = None) -> Tensor:
+    def log_partition(self, params: ParamsLike | None = None) -> Tensor:
         """``log Z``: a scalar, or ``(B,)`` when external parameters with batch B are given."""
         checked = self.validate_params(params, None)
-        batch = self.params_batch_size(checked)
-        batch = 1 if batch is None else batch  # 0 parameter sets: 0 values, not 1
+        sets = self.params_batch_size(checked)
+        batch = 1 if sets is None else sets  # 0 parameter sets: 0 values, not 1
         x = torch.zeros(batch, self.num_variables, dtype=torch.long, device=self.categories.device)
         observed = torch.zeros_like(x, dtype=torch.bool)
         value = self.evaluate(x, observed, checked)
-        return value if checked else value[0]
+        return value if sets is not None else value[0]
 
     def log_conditional(self, x: Tensor, observed: Tensor, variables: Sequence[int] | None = None,
-                        params: Params | None = None) -> Tensor:
+                        params: ParamsLike | None = None) -> Tensor:
         """See :func:`circuits.compiled.queries.log_conditional`."""
         from circuits.compiled.queries import log_conditional
         return log_conditional(self, x, observed, variables, params)
 
     def log_prefix_marginals(self, x: Tensor, order: Sequence[int] | None = None,
-                             params: Params | None = None) -> Tensor:
+                             params: ParamsLike | None = None) -> Tensor:
         """See :func:`circuits.compiled.queries.log_prefix_marginals`."""
         from circuits.compiled.queries import log_prefix_marginals
         return log_prefix_marginals(self, x, order, params)
 
     def log_prefix_conditionals(self, x: Tensor, order: Sequence[int] | None = None,
-                                params: Params | None = None) -> Tensor:
+                                params: ParamsLike | None = None) -> Tensor:
         """See :func:`circuits.compiled.queries.log_prefix_conditionals`."""
         from circuits.compiled.queries import log_prefix_conditionals
         return log_prefix_conditionals(self, x, order, params)
 
     def sample(self, num_samples: int | None = None, generator: torch.Generator | None = None,
-               params: Params | None = None) -> Tensor:
+               params: ParamsLike | None = None) -> Tensor:
         """See :func:`circuits.compiled.sampling.sample`."""
         from circuits.compiled.sampling import sample
         return sample(self, num_samples, generator, params)
 
     def conditional_sample(self, x: Tensor, observed: Tensor,
                            generator: torch.Generator | None = None,
-                           params: Params | None = None) -> Tensor:
+                           params: ParamsLike | None = None) -> Tensor:
         """See :func:`circuits.compiled.sampling.conditional_sample`."""
         from circuits.compiled.sampling import conditional_sample
         return conditional_sample(self, x, observed, generator, params)
 
     def map_state(self, x: Tensor | None = None, observed: Tensor | None = None,
-                  params: Params | None = None) -> tuple[Tensor, Tensor]:
+                  params: ParamsLike | None = None) -> tuple[Tensor, Tensor]:
         """See :func:`circuits.compiled.sampling.map_state`."""
         from circuits.compiled.sampling import map_state
         return map_state(self, x, observed, params)

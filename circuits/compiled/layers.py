@@ -59,6 +59,9 @@ class FoldedInput(nn.Module):
         layers = [layer for layer in plan.layers if isinstance(layer, InputLayer)]
         self.register_buffer("variables", torch.tensor([la.variable for la in layers]))
         self.register_buffer("integrated", torch.tensor([la.integrated for la in layers]))
+        #: (F,) bool, ``~integrated``: slots whose variable can be observed
+        self.register_buffer("live", ~self.integrated, persistent=False)
+        self.any_integrated = any(la.integrated for la in layers)
         self.raw = nn.Parameter(_initial_raw(plan, (plan.num_units, plan.num_categories), generator))
 
     def log_probs(self, raw: Tensor | None) -> Tensor:
@@ -94,9 +97,13 @@ class FoldedInput(nn.Module):
             index = values.view(sets, rows_per_set, fold).permute(0, 2, 1)[:, :, None, :]
             picked = log_probs.gather(3, index.expand(sets, fold, units, rows_per_set))
             picked = picked.permute(1, 0, 3, 2).reshape(fold, values.shape[0], units)
-        is_observed = observed[:, self.variables].T & ~self.integrated[:, None]  # (F, B)
+        is_observed = observed[:, self.variables].T  # (F, B)
+        if self.any_integrated:
+            is_observed = is_observed & self.live[:, None]
         if bool(is_observed.all()):
             return picked
+        if self.parameterization.normalized and semiring is Semiring.SUM:
+            return torch.where(is_observed[:, :, None], picked, 0.0)  # free variables sum to 1
         if self.parameterization.normalized:
             mass = log_probs.new_zeros(log_probs.shape[:-1])
         else:
@@ -216,9 +223,12 @@ class FoldedSum(RoutedFold):
         """Log-weights ``(F, K, D)`` or, for per-row parameters, ``(B, F, K, D)``."""
         return self.parameterization.log_weights(self.raw if raw is None else raw)
 
-    def forward(self, inputs: Tensor, log_weights: Tensor,
-                semiring: Semiring = Semiring.SUM) -> Tensor:
-        """``inputs`` (F, B, D) log-values -> (F, B, K) log-values of the sum units."""
+    def forward(self, inputs: Tensor, log_weights: Tensor, semiring: Semiring = Semiring.SUM,
+                weights: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """``inputs`` (F, B, D) log-values -> (F, B, K) log-values of the sum units.
+
+        ``weights``: :func:`exp_weights` of ``log_weights`` when already computed (SUM only).
+        """
         if semiring is Semiring.MAX:
             if log_weights.dim() == 3:
                 return (inputs[:, :, None, :] + log_weights[:, None, :, :]).amax(-1)
@@ -226,16 +236,40 @@ class FoldedSum(RoutedFold):
             if per_row.shape[1] != inputs.shape[1]:
                 per_row = per_row.repeat_interleave(inputs.shape[1] // per_row.shape[1], dim=1)
             return (inputs[:, :, None, :] + per_row).amax(-1)
-        return log_matmul(inputs, log_weights)
+        return log_matmul(inputs, log_weights, weights)
 
 
-def log_matmul(inputs: Tensor, log_weights: Tensor) -> Tensor:
+def exp_weights(log_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """The weight operand of :func:`log_matmul`: ``exp(log_weights - max)`` and that max.
+
+    Args:
+        log_weights: (F, K, D) or (S, F, K, D).
+
+    Returns:
+        ``(weights, shift)``: weights ``(F, K, D)`` or, per set, ``(F * S, K, D)`` (fold-major, the
+        layout of the batched matmul), and the shift ``(F, 1, K)`` or ``(F, S, 1, K)``. Non-finite
+        maxima (all ``-inf`` rows) shift by 0.
+    """
+    w_max = torch.nan_to_num(log_weights.detach().amax(-1, keepdim=True), nan=0.0, posinf=0.0,
+                             neginf=0.0)
+    weights = (log_weights - w_max).exp_()
+    if weights.dim() == 3:
+        return weights, w_max.squeeze(-1)[:, None, :]
+    sets, fold, units, width = weights.shape
+    return (weights.transpose(0, 1).reshape(fold * sets, units, width),
+            w_max.squeeze(-1).transpose(0, 1)[:, :, None, :])
+
+
+def log_matmul(inputs: Tensor, log_weights: Tensor,
+               weights: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``log(exp(inputs) @ exp(log_weights)^T)`` per fold, stable and NaN-free.
 
     Args:
         inputs: (F, B, D) log-values.
         log_weights: (F, K, D) shared by the batch, or (S, F, K, D): one set per group of
             ``B // S`` consecutive rows (``S = B``: one set per row).
+        weights: :func:`exp_weights` of ``log_weights`` when already computed (e.g. cached by
+            :class:`~circuits.compiled.circuit.LogParameters` for several passes).
 
     Returns:
         (F, B, K). Both operands are shifted by their maxima before exponentiating, so nothing
@@ -251,21 +285,18 @@ def log_matmul(inputs: Tensor, log_weights: Tensor) -> Tensor:
     # non-finite maxima (all -inf rows) shift by 0; nan_to_num avoids slow bool masks on CPU
     in_max = torch.nan_to_num(inputs.detach().amax(-1, keepdim=True), nan=0.0, posinf=0.0,
                               neginf=0.0)
-    w_max = torch.nan_to_num(log_weights.detach().amax(-1, keepdim=True), nan=0.0, posinf=0.0,
-                             neginf=0.0)
     probs = (inputs - in_max).exp_()
-    weights = (log_weights - w_max).exp_()
-    if weights.dim() == 3:
-        total = torch.bmm(probs, weights.transpose(1, 2))  # (F, B, K)
-        shift = in_max + w_max.squeeze(-1)[:, None, :]
+    w, w_shift = exp_weights(log_weights) if weights is None else weights
+    if log_weights.dim() == 3:
+        total = torch.bmm(probs, w.transpose(1, 2))  # (F, B, K)
+        shift = in_max + w_shift
     else:  # one weight set per group of batch // sets consecutive rows
         fold, batch, width = probs.shape
-        sets, units = weights.shape[0], weights.shape[2]
-        w = weights.transpose(0, 1).reshape(fold * sets, units, width)
-        grouped = probs.reshape(fold * sets, batch // max(sets, 1), width)
-        total = torch.bmm(grouped, w.transpose(1, 2)).view(fold, batch, units)
-        w_shift = w_max.squeeze(-1).transpose(0, 1)  # (F, sets, K)
-        shift = in_max + (w_shift if sets == batch else w_shift.repeat_interleave(batch // sets, 1))
+        sets, units = log_weights.shape[0], log_weights.shape[2]
+        groups = batch // max(sets, 1)
+        total = torch.bmm(probs.reshape(fold * sets, groups, width), w.transpose(1, 2))
+        total = total.view(fold, batch, units)
+        shift = (in_max.view(fold, sets, groups, 1) + w_shift).view(fold, batch, units)
     if torch.is_grad_enabled() and (inputs.requires_grad or log_weights.requires_grad):
         positive = total > 0  # masked so that zero rows get zero, not NaN, gradients
         safe = torch.where(positive, total, torch.ones_like(total))

@@ -6,8 +6,9 @@ in the outputs of the input units of any one variable ``X_i``, so with ``X_i`` s
     p(X_i = c | e) = sum_u  g_u * phi_u(c) / l_u,     g_u = d log c(e) / d log l_u,
 
 where ``l_u`` is input unit ``u``'s output (its total mass, 1 when normalised) and ``phi_u`` its
-distribution. One bottom-up and one backward pass give these conditionals for *every* unobserved
-variable at once, whatever the number of categories: a constant number of passes.
+distribution. One bottom-up and one derivative pass (:mod:`circuits.compiled.derivatives`) give
+these conditionals for *every* unobserved variable at once, whatever the number of categories: a
+constant number of passes.
 
 Prefix queries evaluate ``n`` masked copies of each row in one batched pass; the copies share
 their row's parameter set (no parameter tensor is replicated), see :meth:`CompiledCircuit.evaluate`.
@@ -20,7 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from circuits.compiled.circuit import CompiledCircuit, Params
+from circuits.compiled.circuit import CompiledCircuit, LogParameters, ParamsLike, Trace
+from circuits.compiled.derivatives import input_gradients
 from circuits.compiled.layers import FoldedInput
 from circuits.errors import InvalidInputError
 
@@ -46,42 +48,47 @@ def _check_order(circuit: CompiledCircuit, order: Sequence[int] | None) -> list[
 
 
 def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
-                     params: dict[str, Tensor], num_categories: int) -> Tensor:
+                     params: dict[str, Tensor] | LogParameters, num_categories: int) -> Tensor:
     """``(B, V, C)`` probabilities ``p(X_v = c | evidence)`` on validated inputs.
 
     Rows of variables that are observed (or outside the scope) hold meaningless values; the
-    callers select the unobserved variables they were asked about. Not differentiable.
+    callers select the unobserved variables they were asked about. Not differentiable. One
+    bottom-up pass and one derivative pass (:func:`~circuits.compiled.derivatives.input_gradients`);
+    with a :class:`LogParameters` nothing is re-normalised and its cached ``exp`` serves repeated
+    calls.
     """
     batch = x.shape[0]
-    with torch.inference_mode(False), torch.enable_grad():
-        params = {k: v.detach().clone() for k, v in params.items()}
-        leaves: dict[int, Tensor] = {}
-        root = circuit.evaluate(x, observed, params, input_leaves=leaves)
-        fold_ids = list(leaves)
-        grads = torch.autograd.grad(root.sum(), [leaves[i] for i in fold_ids], allow_unused=True)
-    result = torch.zeros(batch, circuit.num_variables, num_categories,
-                         dtype=root.dtype, device=root.device)
-    for fold_id, grad in zip(fold_ids, grads, strict=True):
-        module = circuit.folds[fold_id]
-        assert isinstance(module, FoldedInput)
-        if grad is None or module.num_categories != num_categories:
-            continue
-        leaf = leaves[fold_id].detach()  # (F, B, K)
-        weight = torch.where(grad > 0, grad * torch.exp(-leaf), torch.zeros_like(grad))
-        probs = torch.exp(module.log_probs(params.get(circuit.plans[fold_id].name)).detach())
-        if probs.dim() == 3:
-            contribution = torch.bmm(weight, probs)  # (F, B, C)
-        else:
-            sets = probs.shape[0]  # one parameter set per group of batch // sets rows
-            grouped = weight.view(weight.shape[0], sets, batch // max(sets, 1), weight.shape[2])
-            contribution = torch.einsum("fsgk,sfkc->fsgc", grouped, probs).flatten(1, 2)
-        live = ~module.integrated
-        result.index_add_(1, module.variables[live], contribution[live].transpose(0, 1))
+    with torch.no_grad():
+        prepared = params if isinstance(params, LogParameters) else circuit.log_parameters(params)
+        trace = Trace()
+        root = circuit.evaluate(x, observed, prepared, trace=trace)
+        grads = input_gradients(circuit, trace, prepared)
+        result = torch.zeros(batch, circuit.num_variables, num_categories,
+                             dtype=root.dtype, device=root.device)
+        for fold_id, grad in grads.items():
+            module = circuit.folds[fold_id]
+            assert isinstance(module, FoldedInput)
+            if module.num_categories != num_categories:
+                continue
+            leaf = trace.outputs[fold_id]  # (F, B, K) log-values l_u
+            weight = torch.where(grad > 0, grad * torch.exp(-leaf), 0.0)
+            probs = prepared.probs(fold_id)
+            if probs.dim() == 3:
+                contribution = torch.bmm(weight, probs)  # (F, B, C)
+            else:
+                sets = probs.shape[0]  # one parameter set per group of batch // sets rows
+                grouped = weight.view(weight.shape[0], sets, batch // max(sets, 1), -1)
+                contribution = torch.einsum("fsgk,sfkc->fsgc", grouped, probs).flatten(1, 2)
+            if module.any_integrated:
+                variables, contribution = module.variables[module.live], contribution[module.live]
+            else:
+                variables = module.variables
+            result.index_add_(1, variables, contribution.transpose(0, 1))
     return result
 
 
 def log_conditional(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
-                    variables: Sequence[int] | None = None, params: Params | None = None) -> Tensor:
+                    variables: Sequence[int] | None = None, params: ParamsLike | None = None) -> Tensor:
     """``log p(X_v | evidence)`` for each queried variable, as full vectors over categories.
 
     Args:
@@ -114,7 +121,7 @@ def log_conditional(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
 
 
 def log_prefix_marginals(circuit: CompiledCircuit, x: Tensor, order: Sequence[int] | None = None,
-                         params: Params | None = None) -> Tensor:
+                         params: ParamsLike | None = None) -> Tensor:
     """``log q(x_{o_1}, ..., x_{o_i})`` for every prefix length ``i = 1..n`` in one pass.
 
     Args:
@@ -137,7 +144,7 @@ def log_prefix_marginals(circuit: CompiledCircuit, x: Tensor, order: Sequence[in
 
 
 def log_prefix_conditionals(circuit: CompiledCircuit, x: Tensor, order: Sequence[int] | None = None,
-                            params: Params | None = None) -> Tensor:
+                            params: ParamsLike | None = None) -> Tensor:
     """``log q(X_{o_i} | x_{o_1}, ..., x_{o_{i-1}})`` as full vectors, for every ``i`` at once.
 
     This is what a speculative decoder needs: the draft's exact conditional at each window

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from circuits.compiled.circuit import CompiledCircuit, Params, Trace
+from circuits.compiled.circuit import CompiledCircuit, LogParameters, ParamsLike, Trace
 from circuits.compiled.folding import FoldKind
 from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring
 from circuits.errors import InvalidInputError
@@ -144,7 +144,10 @@ def descend(circuit: CompiledCircuit, trace: Trace, x: Tensor, observed: Tensor,
     return result
 
 
-def _log_params_only(circuit: CompiledCircuit, params: dict[str, Tensor]) -> Trace:
+def _log_params_only(circuit: CompiledCircuit,
+                     params: dict[str, Tensor] | LogParameters) -> Trace:
+    if isinstance(params, LogParameters):
+        return Trace(log_params=dict(params.values))
     trace = Trace()
     for plan, module in zip(circuit.plans, circuit.folds, strict=True):
         if isinstance(module, FoldedInput):
@@ -157,7 +160,7 @@ def _log_params_only(circuit: CompiledCircuit, params: dict[str, Tensor]) -> Tra
 @torch.no_grad()
 def conditional_sample(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
                        generator: torch.Generator | None = None,
-                       params: Params | None = None) -> Tensor:
+                       params: ParamsLike | None = None) -> Tensor:
     """One exact sample of the unobserved variables from ``p(. | evidence)`` per row.
 
     Args:
@@ -178,7 +181,7 @@ def conditional_sample(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
 
 @torch.no_grad()
 def sample(circuit: CompiledCircuit, num_samples: int | None = None,
-           generator: torch.Generator | None = None, params: Params | None = None) -> Tensor:
+           generator: torch.Generator | None = None, params: ParamsLike | None = None) -> Tensor:
     """Exact samples from the circuit's distribution: ``(num_samples, V)`` long.
 
     With external parameters of batch B, draws one sample per parameter set (``num_samples``
@@ -207,7 +210,7 @@ def sample(circuit: CompiledCircuit, num_samples: int | None = None,
 
 @torch.no_grad()
 def map_state(circuit: CompiledCircuit, x: Tensor | None = None, observed: Tensor | None = None,
-              params: Params | None = None) -> tuple[Tensor, Tensor]:
+              params: ParamsLike | None = None) -> tuple[Tensor, Tensor]:
     """Most probable completion of the evidence by max-product, and its max-product log-value.
 
     Exact MAP for deterministic circuits (at most one non-zero input per sum unit for any

@@ -254,6 +254,14 @@ class MTPHead(nn.Module):
         hidden = hidden.to(self.dtype)
         return {**self.inputs(hidden), **self.sums(hidden)}
 
+    def clear_cache(self) -> None:
+        """Drop derived tensors cached for gradient-free calls (LEAN: ``W_lm U`` and the flat
+        ``V``; see :class:`~circuits_llm.heads.projections.LeanInputs`). They follow in-place
+        updates, ``load_state_dict`` and ``.to()`` by themselves; only edits through
+        ``tensor.data`` need this call."""
+        if isinstance(self.inputs, LeanInputs):
+            self.inputs.clear_cache()
+
     # ------------------------------------------------------------------ sizes
     def num_parameters(self) -> int:
         """Trainable parameters (equals :func:`parameter_count` for this head's sizes)."""

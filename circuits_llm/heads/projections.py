@@ -182,7 +182,7 @@ class LeanInputs(nn.Module):
             else:
                 delta = torch.bmm(codes, vocab_up)
             logits = delta.transpose(0, 1) + base[:, None, :]  # (B, F K, V)
-            out[name] = logits.reshape(batch, folded, units, -1)
+            out[name] = logits.reshape(batch, folded, units, self.vocab_size)
         return out
 
 
