@@ -11,7 +11,7 @@ install-dev:
 	$(PIP) -e ".[dev]"
 
 demo: install
-	$(PY) -m circuits demo
+	$(PY) -m circuits_llm demo
 
 test: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider

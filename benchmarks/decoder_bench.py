@@ -159,20 +159,22 @@ def round_phases(head: MTPHead, hidden: Tensor, c: int,
                  generator: torch.Generator) -> dict[str, Callable[[], object]]:
     """The head's phases of a round, as :class:`SpeculativeDecoder` runs them.
 
-    ``draft_*`` include the round's one ``circuit.log_parameters``; ``conditionals`` reuses the
-    log-parameters of a fixed draft, but recomputes what a round computes once (their ``exp``).
+    ``draft_*`` include the round's one ``circuit.log_parameters``; ``conditionals`` starts from
+    log-parameters in the state a sampling draft leaves them (sum weights exponentiated, input
+    distributions not), so the phases add up to a round.
     """
     with torch.no_grad():
         params = head(hidden)
         prepared = head.circuit.log_parameters(params)
         draft = draft_window(head.circuit, prepared, c, False, generator)
+    after_draft = {k: v for k, v in prepared.derived.items() if k[0] == "exp_weights"}
 
     def draft_phase(greedy: bool) -> Tensor:
         return draft_window(head.circuit, head.circuit.log_parameters(params), c, greedy,
                             generator)
 
     def conditionals() -> Tensor:
-        fresh = LogParameters(prepared.values, prepared.batch)  # no exp cached yet
+        fresh = LogParameters(prepared.values, prepared.batch, dict(after_draft))
         return draft_conditionals(head.circuit, fresh, c, draft[None])
 
     return {"parameterise": lambda: head(hidden), "draft_sample": lambda: draft_phase(False),

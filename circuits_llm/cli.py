@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export-model", help="write the best pretraining checkpoint as an HF model")
     exp.add_argument("--run-dir", type=Path, default=Path("runs/pretrain"))
     exp.add_argument("--out", type=Path, default=Path(__file__).parent / "embedded" / "byte-llama")
-    exp.add_argument("--test-windows", type=int, default=512)
+    exp.add_argument("--test-windows", type=int, default=None,
+                     help="limit the test measurement to this many 256-byte windows (default: all)")
     exp.set_defaults(run=_export)
     from circuits_llm.training.cli import add_train_head_command
     add_train_head_command(sub)

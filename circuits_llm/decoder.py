@@ -152,10 +152,9 @@ def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
 
 
 def _window_evidence(circuit: CompiledCircuit, c: int, rows: int) -> tuple[Tensor, Tensor]:
-    x = torch.zeros(rows, circuit.num_variables, dtype=torch.long, device=circuit.device)
-    x[:, 0] = c
-    observed = torch.zeros(circuit.num_variables, dtype=torch.bool, device=circuit.device)
-    observed[0] = True
+    """``x`` (rows, n) holding ``c`` everywhere (only ``X_0`` is read) and the mask of ``X_0``."""
+    x = torch.full((rows, circuit.num_variables), c, dtype=torch.long, device=circuit.device)
+    observed = torch.arange(circuit.num_variables, device=circuit.device) == 0
     return x, observed
 
 

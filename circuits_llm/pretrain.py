@@ -239,17 +239,20 @@ def run_pretraining(config: PretrainConfig, run_dir: str | Path, *, max_seconds:
 
 
 def export_model(run_dir: str | Path, out_dir: str | Path, root: Path | None = None,
-                 test_windows: int = 512) -> dict[str, object]:
+                 test_windows: int | None = None) -> dict[str, object]:
     """Write the best checkpoint as a Hugging Face model (safetensors) plus ``training.json``.
 
-    The held-out test split's bits per byte is measured here and recorded. The directory is
-    built next to ``out_dir`` and swapped in with ``os.replace``.
+    The held-out test split's bits per byte is measured here (on all of it unless
+    ``test_windows`` limits the number of 256-byte windows) and recorded. The directory is built
+    next to ``out_dir`` and swapped in with ``os.replace``.
     """
     best = load_checkpoint(Path(run_dir) / "best.pt", CHECKPOINT_KIND + ".best")
     config = PretrainConfig.from_dict(best["config"])
     model = LlamaForCausalLM(config.model.config())
     model.load_state_dict(best["model"])
     test = pack(corpus_files(Split.TEST, root))
+    every_window = (test.numel() - 1) // config.seq_len
+    test_windows = every_window if test_windows is None else min(test_windows, every_window)
     test_bpb = bits_per_byte(model, test, config.seq_len, test_windows)
     last = load_checkpoint(Path(run_dir) / "checkpoint.pt", CHECKPOINT_KIND)
     card = {
@@ -257,7 +260,8 @@ def export_model(run_dir: str | Path, out_dir: str | Path, root: Path | None = N
         "parameters": sum(p.numel() for p in model.parameters()),
         "training_steps": best["step"], "training_bytes": best["step"] * config.batch_size * config.seq_len,
         "validation_bits_per_byte": best["validation_bits_per_byte"],
-        "test_bits_per_byte": test_bpb, "test_windows": test_windows, "seq_len": config.seq_len,
+        "test_bits_per_byte": test_bpb, "test_windows": test_windows,
+        "test_bytes": test_windows * config.seq_len, "seq_len": config.seq_len,
         "history": last["history"], "config": config.to_dict(),
         "data": "CPython standard library sources (PSF licence), split by path hash",
     }
@@ -266,6 +270,9 @@ def export_model(run_dir: str | Path, out_dir: str | Path, root: Path | None = N
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     model.save_pretrained(staging, safe_serialization=True)
     (staging / "training.json").write_text(json.dumps(card, indent=2))
+    staging.chmod(0o755)  # mkdtemp makes 0700 directories; the model ships inside the package
+    for item in staging.iterdir():
+        item.chmod(0o644)
     if out_dir.exists():
         retired = out_dir.with_name(f".{out_dir.name}.old")
         os.replace(out_dir, retired)

@@ -132,8 +132,9 @@ def _lean_reference(head: MTPHead, states: torch.Tensor) -> dict[str, torch.Tens
 
 
 def test_lean_cached_maps_are_exact_and_follow_parameter_updates() -> None:
-    """The decode-time cache of LEAN's derived maps gives bitwise the outputs of the
-    differentiable path, equals the definition, and is rebuilt whenever the parameters change."""
+    """The decode-time caches (LEAN's derived maps, the sum map's transposed weight) give bitwise
+    the outputs of the differentiable path, equal the definition, and are rebuilt whenever the
+    parameters change."""
     head = named("btree", variant=HeadVariant.LEAN, lean_rank=2, dtype=torch.float64)
     other = named("btree", variant=HeadVariant.LEAN, lean_rank=2, dtype=torch.float64, seed=4)
     generator = torch.Generator().manual_seed(0)
@@ -146,14 +147,15 @@ def test_lean_cached_maps_are_exact_and_follow_parameter_updates() -> None:
     states = torch.randn(3, 8, generator=generator, dtype=torch.float64)
 
     def check(reference_head: MTPHead) -> None:
-        fresh = head.inputs(states)  # grad enabled and parameters trainable: no cache
+        fresh = head(states)  # grad enabled and parameters trainable: no cache
         assert fresh[name].requires_grad
         with torch.no_grad():
-            first, second = head.inputs(states), head.inputs(states)
+            first, second = head(states), head(states)
             maps = inputs.derived_maps(name)
             assert all(a is b for a, b in zip(maps, inputs.derived_maps(name), strict=True))
-        assert torch.equal(first[name], fresh[name].detach())
-        assert torch.equal(second[name], first[name])
+        for fold, value in fresh.items():  # input logits and sum weights
+            assert torch.equal(first[fold], value.detach())
+            assert torch.equal(second[fold], first[fold])
         expected = _lean_reference(reference_head, states)[name]
         torch.testing.assert_close(first[name], expected.detach(), rtol=1e-12, atol=1e-12)
 
@@ -176,7 +178,8 @@ def test_lean_cached_maps_are_exact_and_follow_parameter_updates() -> None:
     wanted = states.clone().requires_grad_(True)
     head(wanted)[name].sum().backward()
     assert wanted.grad is not None and bool(torch.isfinite(wanted.grad).all())
-    inputs.clear_cache()
+    head.clear_cache()
+    assert not inputs.cache.entries and not head.sums.cache.entries
     with torch.no_grad():
         assert torch.equal(head(states)[name], head(states)[name])
 

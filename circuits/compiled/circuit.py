@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from circuits.compiled.folding import FoldKind, FoldPlan, plan_folds
 from circuits.compiled.layers import (
+    ExpWeights,
     FoldedInput,
     FoldedProduct,
     FoldedSum,
@@ -63,15 +64,18 @@ class Trace:
     """Everything a bottom-up pass computed, for the top-down passes that follow it.
 
     ``outputs[i]`` is fold ``i``'s output ``(F, B, K)``; ``sum_inputs[i]`` the concatenated input
-    of sum fold ``i`` ``(F, B, D)``; ``log_params[i]`` its log-weights or log-probabilities.
+    of sum fold ``i`` ``(F, B, D)``; ``log_params[i]`` its log-weights or log-probabilities;
+    ``sum_parts[i]`` (gradient-free SUM passes on the torch path) the ``(probs, total)`` that
+    :func:`~circuits.compiled.layers.log_matmul` computed for sum fold ``i``.
     """
 
     outputs: list[Tensor] = field(default_factory=list)
     sum_inputs: dict[int, Tensor] = field(default_factory=dict)
     log_params: dict[int, Tensor] = field(default_factory=dict)
+    sum_parts: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality: tensors have no truth value
 class LogParameters:
     """Every parameterised fold's normalised log-parameters, computed once for several queries.
 
@@ -84,23 +88,23 @@ class LogParameters:
 
     values: dict[int, Tensor]
     batch: int | None
-    #: tensors derived from ``values`` (gradient-free), filled on demand by the methods below.
-    _derived: dict[tuple[str, int], object] = field(default_factory=dict, compare=False,
-                                                    repr=False)
+    #: tensors derived from ``values`` (gradient-free), filled on demand by the methods below:
+    #: ``("probs", fold_id)`` and ``("exp_weights", fold_id)``.
+    derived: dict[tuple[str, int], object] = field(default_factory=dict, repr=False)
 
     def probs(self, fold_id: int) -> Tensor:
         """``exp(values[fold_id])`` of an input fold, computed once (no gradient)."""
         key = ("probs", fold_id)
-        if key not in self._derived:
-            self._derived[key] = self.values[fold_id].detach().exp()
-        return self._derived[key]  # type: ignore[return-value]
+        if key not in self.derived:
+            self.derived[key] = self.values[fold_id].detach().exp()
+        return self.derived[key]  # type: ignore[return-value]
 
-    def exp_weights(self, fold_id: int) -> tuple[Tensor, Tensor]:
+    def exp_weights(self, fold_id: int) -> ExpWeights:
         """:func:`~circuits.compiled.layers.exp_weights` of a sum fold, computed once."""
         key = ("exp_weights", fold_id)
-        if key not in self._derived:
-            self._derived[key] = exp_weights(self.values[fold_id].detach())
-        return self._derived[key]  # type: ignore[return-value]
+        if key not in self.derived:
+            self.derived[key] = exp_weights(self.values[fold_id].detach())
+        return self.derived[key]  # type: ignore[return-value]
 
 
 #: what every query accepts as parameters: raw external tensors or prepared log-parameters.
@@ -129,6 +133,8 @@ class CompiledCircuit(nn.Module):
         categories = torch.zeros(circuit.num_variables, dtype=torch.long)
         for variable, size in circuit.num_categories.items():
             categories[variable] = size
+        #: ``categories`` as Python ints (checks read it without device round trips)
+        self.category_sizes: tuple[int, ...] = tuple(int(c) for c in categories)
         self.register_buffer("categories", categories, persistent=False)
         generator = torch.Generator().manual_seed(seed)
         self.plans: tuple[FoldPlan, ...] = plan_folds(circuit, fold=fold)
@@ -321,10 +327,13 @@ class CompiledCircuit(nn.Module):
                         weights = params.exp_weights(plan.fold_id)  # shared by passes
                 else:
                     log_weights = module.log_weights(raw.get(plan.name))
-                out = module(joined, log_weights, semiring, weights)
+                keep: dict[str, Tensor] | None = {} if trace is not None else None
+                out = module(joined, log_weights, semiring, weights, keep)
                 if trace is not None:
                     trace.sum_inputs[plan.fold_id] = joined
                     trace.log_params[plan.fold_id] = log_weights
+                    if keep:
+                        trace.sum_parts[plan.fold_id] = (keep["probs"], keep["total"])
             else:
                 assert isinstance(module, FoldedProduct)
                 out = module(gather_inputs(outputs, plan, module.index_buffers(),

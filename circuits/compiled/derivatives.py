@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from circuits.compiled.circuit import CompiledCircuit, LogParameters, Trace
-from circuits.compiled.layers import FoldedInput, FoldedSum, RoutedFold
+from circuits.compiled.layers import ExpWeights, FoldedInput, FoldedSum, RoutedFold
 from circuits.symbolic import ProductKind
 
 
@@ -53,9 +53,7 @@ def input_gradients(circuit: CompiledCircuit, trace: Trace,
             continue
         assert isinstance(module, RoutedFold)
         if isinstance(module, FoldedSum):
-            joined = trace.sum_inputs[plan.fold_id]
-            grad_in = _sum_input_gradient(joined, outputs[plan.fold_id], grad,
-                                          params.values[plan.fold_id],
+            grad_in = _sum_input_gradient(trace, plan.fold_id, grad, params.values[plan.fold_id],
                                           params.exp_weights(plan.fold_id))
             parts = list(grad_in.split(list(plan.input_widths), dim=-1))
         elif plan.product_kind is ProductKind.HADAMARD:
@@ -72,31 +70,36 @@ def input_gradients(circuit: CompiledCircuit, trace: Trace,
     return result
 
 
-def _sum_input_gradient(joined: Tensor, out: Tensor, grad: Tensor, log_weights: Tensor,
-                        weights: tuple[Tensor, Tensor]) -> Tensor:
-    """``d(sum_k grad_k out_k) / d joined`` for ``out = log_matmul(joined, log_weights)``.
+def _sum_input_gradient(trace: Trace, fold_id: int, grad: Tensor, log_weights: Tensor,
+                        weights: ExpWeights) -> Tensor:
+    """``d(sum_k grad_k out_k) / d in`` for sum fold ``fold_id``: ``out = log_matmul(in, log w)``.
 
-    ``joined`` (F, B, D), ``out`` and ``grad`` (F, B, K), ``weights`` from
-    :func:`~circuits.compiled.layers.exp_weights`; returns (F, B, D).
+    ``grad`` (F, B, K) -> (F, B, D). Reads the forward's ``(P, T)`` from ``trace.sum_parts``, or
+    recomputes them from the fold's input and output (``T = exp(out - shift)``).
     """
-    in_max = torch.nan_to_num(joined.amax(-1, keepdim=True), nan=0.0, posinf=0.0, neginf=0.0)
-    probs = (joined - in_max).exp_()
-    w, w_shift = weights
+    joined, out = trace.sum_inputs[fold_id], trace.outputs[fold_id]
     fold, batch, width = joined.shape
     units = out.shape[2]
-    if log_weights.dim() == 3:
-        shift = in_max + w_shift
+    grouped = log_weights.dim() == 4
+    sets = log_weights.shape[0] if grouped else 1
+    groups = batch // max(sets, 1)
+    parts = trace.sum_parts.get(fold_id)
+    if parts is not None:
+        probs, total = parts
+        scale = grad / total  # G / T; 0 / 0 and x / 0 (units of value 0) pass on nothing
     else:
-        sets = log_weights.shape[0]
-        groups = batch // max(sets, 1)
-        shift = (in_max.view(fold, sets, groups, 1) + w_shift).view(fold, batch, units)
-    # grad / total; out = -inf (total 0) gives exp(inf) = inf: those units pass on nothing
-    scale = (shift - out).exp_().nan_to_num_(nan=0.0, posinf=0.0).mul_(grad)
-    if log_weights.dim() == 3:
-        mixed = torch.bmm(scale, w)
-    else:
-        mixed = torch.bmm(scale.reshape(fold * sets, groups, units), w).view(fold, batch, width)
-    return probs.mul_(mixed)
+        in_max = joined.amax(-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        probs = (joined - in_max).exp_()
+        if grouped:
+            shift = (in_max.view(fold, sets, groups, 1) + weights.shift).view(fold, batch, units)
+        else:
+            shift = in_max + weights.shift
+        scale = (shift - out).exp_().mul_(grad)  # G / T; out = -inf gives inf or NaN
+    scale = scale.nan_to_num_(nan=0.0, posinf=0.0)
+    if grouped:
+        mixed = torch.bmm(scale.reshape(fold * sets, groups, units), weights.weights)
+        return probs * mixed.view(fold, batch, width)
+    return probs * torch.bmm(scale, weights.weights)
 
 
 def _send_back(grads: list[Tensor | None], outputs: list[Tensor], module: RoutedFold, h: int,
@@ -107,7 +110,7 @@ def _send_back(grads: list[Tensor | None], outputs: list[Tensor], module: Routed
     if len(address.sources) == 1:
         target = _buffer(grads, outputs, address.sources[0])
         if window is not None:
-            target[window] += part
+            target[window].add_(part)  # a view: accumulates in place
         else:
             target.index_add_(0, module.index_buffers()[h], part)
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -100,10 +101,10 @@ class FoldedInput(nn.Module):
         is_observed = observed[:, self.variables].T  # (F, B)
         if self.any_integrated:
             is_observed = is_observed & self.live[:, None]
-        if bool(is_observed.all()):
-            return picked
         if self.parameterization.normalized and semiring is Semiring.SUM:
             return torch.where(is_observed[:, :, None], picked, 0.0)  # free variables sum to 1
+        if bool(is_observed.all()):
+            return picked
         if self.parameterization.normalized:
             mass = log_probs.new_zeros(log_probs.shape[:-1])
         else:
@@ -224,10 +225,10 @@ class FoldedSum(RoutedFold):
         return self.parameterization.log_weights(self.raw if raw is None else raw)
 
     def forward(self, inputs: Tensor, log_weights: Tensor, semiring: Semiring = Semiring.SUM,
-                weights: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                weights: ExpWeights | None = None, keep: dict[str, Tensor] | None = None) -> Tensor:
         """``inputs`` (F, B, D) log-values -> (F, B, K) log-values of the sum units.
 
-        ``weights``: :func:`exp_weights` of ``log_weights`` when already computed (SUM only).
+        ``weights`` and ``keep`` (SUM only): see :func:`log_matmul`.
         """
         if semiring is Semiring.MAX:
             if log_weights.dim() == 3:
@@ -236,32 +237,37 @@ class FoldedSum(RoutedFold):
             if per_row.shape[1] != inputs.shape[1]:
                 per_row = per_row.repeat_interleave(inputs.shape[1] // per_row.shape[1], dim=1)
             return (inputs[:, :, None, :] + per_row).amax(-1)
-        return log_matmul(inputs, log_weights, weights)
+        return log_matmul(inputs, log_weights, weights, keep)
 
 
-def exp_weights(log_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """The weight operand of :func:`log_matmul`: ``exp(log_weights - max)`` and that max.
+class ExpWeights(NamedTuple):
+    """The weight operand of :func:`log_matmul`, from :func:`exp_weights`.
 
-    Args:
-        log_weights: (F, K, D) or (S, F, K, D).
-
-    Returns:
-        ``(weights, shift)``: weights ``(F, K, D)`` or, per set, ``(F * S, K, D)`` (fold-major, the
-        layout of the batched matmul), and the shift ``(F, 1, K)`` or ``(F, S, 1, K)``. Non-finite
-        maxima (all ``-inf`` rows) shift by 0.
+    ``weights``: ``exp(log_weights - max)`` as ``(F, K, D)`` or, per set, ``(F * S, K, D)``
+    (fold-major, the layout of the batched matmul); ``transposed``: its ``(.., D, K)`` view;
+    ``shift``: the max, ``(F, 1, K)`` or ``(F, S, 1, K)`` (0 for all ``-inf`` rows).
     """
-    w_max = torch.nan_to_num(log_weights.detach().amax(-1, keepdim=True), nan=0.0, posinf=0.0,
-                             neginf=0.0)
+
+    weights: Tensor
+    transposed: Tensor
+    shift: Tensor
+
+
+def exp_weights(log_weights: Tensor) -> ExpWeights:
+    """:class:`ExpWeights` of ``log_weights`` (F, K, D) or (S, F, K, D)."""
+    w_max = log_weights.detach().amax(-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0,
+                                                                    neginf=0.0)
     weights = (log_weights - w_max).exp_()
     if weights.dim() == 3:
-        return weights, w_max.squeeze(-1)[:, None, :]
+        return ExpWeights(weights, weights.transpose(1, 2), w_max.squeeze(-1)[:, None, :])
     sets, fold, units, width = weights.shape
-    return (weights.transpose(0, 1).reshape(fold * sets, units, width),
-            w_max.squeeze(-1).transpose(0, 1)[:, :, None, :])
+    weights = weights.transpose(0, 1).reshape(fold * sets, units, width)
+    return ExpWeights(weights, weights.transpose(1, 2),
+                      w_max.squeeze(-1).transpose(0, 1)[:, :, None, :])
 
 
-def log_matmul(inputs: Tensor, log_weights: Tensor,
-               weights: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def log_matmul(inputs: Tensor, log_weights: Tensor, weights: ExpWeights | None = None,
+               keep: dict[str, Tensor] | None = None) -> Tensor:
     """``log(exp(inputs) @ exp(log_weights)^T)`` per fold, stable and NaN-free.
 
     Args:
@@ -270,6 +276,9 @@ def log_matmul(inputs: Tensor, log_weights: Tensor,
             ``B // S`` consecutive rows (``S = B``: one set per row).
         weights: :func:`exp_weights` of ``log_weights`` when already computed (e.g. cached by
             :class:`~circuits.compiled.circuit.LogParameters` for several passes).
+        keep: when given, the gradient-free torch path stores its shifted linear-domain operands
+            there: ``probs = exp(inputs - max)`` (F, B, D) and ``total = probs W^T`` (F, B, K),
+            for a derivative pass (:mod:`circuits.compiled.derivatives`).
 
     Returns:
         (F, B, K). Both operands are shifted by their maxima before exponentiating, so nothing
@@ -282,28 +291,33 @@ def log_matmul(inputs: Tensor, log_weights: Tensor,
     if (log_weights.dim() == 3 or log_weights.shape[0] == inputs.shape[1]) \
             and use_triton(inputs, log_weights):
         return TritonLogMatmul.apply(inputs, log_weights)
+    grad = torch.is_grad_enabled() and (inputs.requires_grad or log_weights.requires_grad)
     # non-finite maxima (all -inf rows) shift by 0; nan_to_num avoids slow bool masks on CPU
-    in_max = torch.nan_to_num(inputs.detach().amax(-1, keepdim=True), nan=0.0, posinf=0.0,
-                              neginf=0.0)
+    in_max = (inputs.detach() if grad else inputs).amax(-1, keepdim=True).nan_to_num_(
+        nan=0.0, posinf=0.0, neginf=0.0)
     probs = (inputs - in_max).exp_()
-    w, w_shift = exp_weights(log_weights) if weights is None else weights
+    w = exp_weights(log_weights) if weights is None else weights
     if log_weights.dim() == 3:
-        total = torch.bmm(probs, w.transpose(1, 2))  # (F, B, K)
-        shift = in_max + w_shift
+        total = torch.bmm(probs, w.transposed)  # (F, B, K)
+        shift = in_max + w.shift
     else:  # one weight set per group of batch // sets consecutive rows
         fold, batch, width = probs.shape
         sets, units = log_weights.shape[0], log_weights.shape[2]
         groups = batch // max(sets, 1)
-        total = torch.bmm(probs.reshape(fold * sets, groups, width), w.transpose(1, 2))
+        total = torch.bmm(probs.reshape(fold * sets, groups, width), w.transposed)
         total = total.view(fold, batch, units)
-        shift = (in_max.view(fold, sets, groups, 1) + w_shift).view(fold, batch, units)
-    if torch.is_grad_enabled() and (inputs.requires_grad or log_weights.requires_grad):
+        shift = (in_max.view(fold, sets, groups, 1) + w.shift).view(fold, batch, units)
+    if grad:
         positive = total > 0  # masked so that zero rows get zero, not NaN, gradients
         safe = torch.where(positive, total, torch.ones_like(total))
         return torch.where(positive, torch.log(safe) + shift, torch.full_like(total, -torch.inf))
     # no gradient needed: the same values without bool masks (log 0 = -inf; NaN -> -inf as above)
-    return total.log_().add_(shift).nan_to_num_(nan=-torch.inf, posinf=torch.inf,
-                                                neginf=-torch.inf)
+    if keep is not None:
+        keep["probs"], keep["total"] = probs, total
+        out = total.log()
+    else:
+        out = total.log_()
+    return out.add_(shift).nan_to_num_(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
 
 
 class FoldedProduct(RoutedFold):

@@ -28,7 +28,7 @@ from circuits.errors import InvalidInputError
 
 
 def _uniform_categories(circuit: CompiledCircuit, variables: Sequence[int]) -> int:
-    sizes = {int(circuit.categories[v]) for v in variables}
+    sizes = {circuit.category_sizes[v] for v in variables}
     if len(sizes) != 1:
         raise InvalidInputError(
             f"conditional queries return one vector per variable and need the queried variables "
@@ -75,10 +75,11 @@ def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
             probs = prepared.probs(fold_id)
             if probs.dim() == 3:
                 contribution = torch.bmm(weight, probs)  # (F, B, C)
-            else:
-                sets = probs.shape[0]  # one parameter set per group of batch // sets rows
-                grouped = weight.view(weight.shape[0], sets, batch // max(sets, 1), -1)
-                contribution = torch.einsum("fsgk,sfkc->fsgc", grouped, probs).flatten(1, 2)
+            else:  # one parameter set per group of batch // sets rows: (F S) batched matmuls
+                sets, fold, units, size = probs.shape
+                per_set = probs.transpose(0, 1).reshape(fold * sets, units, size)
+                grouped = weight.reshape(fold * sets, batch // max(sets, 1), units)
+                contribution = torch.bmm(grouped, per_set).view(fold, batch, size)
             if module.any_integrated:
                 variables, contribution = module.variables[module.live], contribution[module.live]
             else:

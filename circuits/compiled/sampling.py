@@ -89,9 +89,18 @@ def _inverse_cdf(table: Tensor, unit: Tensor, uniforms: Tensor) -> Tensor:
     return (position - unit * size).clamp_(0, size - 1)
 
 
-def _send(chosen: list[Tensor], routes: list[tuple[int, Tensor, Tensor]], unit: Tensor) -> None:
-    """Mark input units as chosen: ``unit`` (F, B) holds the child unit index or -1."""
-    for source, fold_index, slot_index in routes:
+def _send(chosen: list[Tensor], module: FoldedSum | FoldedProduct, h: int, unit: Tensor) -> None:
+    """Mark the units read by input ``h`` as chosen: ``unit`` (F, B) holds the child unit or -1.
+
+    At most one parent chooses a unit of a given layer per sample, so ``amax`` against the
+    initial -1 combines the writes of several parents.
+    """
+    window = module.input_slices[h]
+    if window is not None:  # one source read at evenly spaced slots, in this fold's order
+        target = chosen[module.plan.inputs[h].sources[0]][window]
+        torch.maximum(target, unit, out=target)
+        return
+    for source, fold_index, slot_index in module.routes(h):
         values = unit.index_select(0, fold_index)
         target = chosen[source]
         target.scatter_reduce_(0, slot_index[:, None].expand_as(values), values, "amax")
@@ -102,44 +111,52 @@ def descend(circuit: CompiledCircuit, trace: Trace, x: Tensor, observed: Tensor,
     """The top-down pass: returns the completed assignment ``(B, V)`` (-1 outside the scope)."""
     batch = x.shape[0]
     device = x.device
-    chosen = [torch.full((plan.num_folded, batch), -1, dtype=torch.long, device=device)
-              for plan in circuit.plans]
+    sizes = [plan.num_folded for plan in circuit.plans]
+    # every fold's chosen units (F, B), -1 where not visited: views of one tensor
+    chosen = list(torch.full((sum(sizes), batch), -1, dtype=torch.long,
+                             device=device).split(sizes))
     chosen[-1][0] = 0
     result = torch.full((batch, circuit.num_variables), -1, dtype=torch.long, device=device)
     for plan, module in zip(reversed(circuit.plans), reversed(circuit.folds), strict=True):
         selected = chosen[plan.fold_id]
-        active = selected >= 0
-        unit = selected.clamp(min=0)
         if isinstance(module, FoldedInput):
-            values = _choose_categories(choose, trace.log_params[plan.fold_id], unit)  # (F, B)
+            values = _choose_categories(choose, trace.log_params[plan.fold_id],
+                                        selected.clamp(min=0))  # (F, B)
             variables = module.variables
-            evidence = x[:, variables].T
-            values = torch.where(observed[:, variables].T, evidence, values)
-            values = torch.where(active & ~module.integrated[:, None], values, -1)
+            values = torch.where(observed[:, variables].T, x[:, variables].T, values)
+            keep = selected >= 0
+            if module.any_integrated:
+                keep = keep & module.live[:, None]
+            values = torch.where(keep, values, -1)
             result.scatter_reduce_(1, variables[None, :].expand(batch, -1), values.T, "amax")
         elif isinstance(module, FoldedSum):
             table, inputs = trace.log_params[plan.fold_id], trace.sum_inputs.get(plan.fold_id)
             if inputs is None and table.dim() == 3 and isinstance(choose, GumbelChooser):
                 # no evidence, shared weights: inverse-CDF draws, the same on every backend
+                unit = selected.clamp(min=0)
                 draws = _inverse_cdf(table, unit, choose.uniforms(tuple(unit.shape), device))
-                child = torch.where(active, draws, -1)
+                child = torch.where(selected >= 0, draws, -1)
             else:
                 child = choose_sum_children(choose, table, selected, inputs)  # (F, B) or -1
+            if len(plan.input_widths) == 1:
+                _send(chosen, module, 0, child)
+                continue
             start = 0
-            for h, width in enumerate(plan.input_widths):
-                inside = active & (child >= start) & (child < start + width)
-                _send(chosen, module.routes(h), torch.where(inside, child - start, -1))
+            for h, width in enumerate(plan.input_widths):  # child is -1 where not visited
+                inside = (child >= start) & (child < start + width)
+                _send(chosen, module, h, torch.where(inside, child - start, -1))
                 start += width
         else:
             assert isinstance(module, FoldedProduct)
             if plan.product_kind is ProductKind.HADAMARD:
                 for h in range(len(plan.input_widths)):
-                    _send(chosen, module.routes(h), torch.where(active, unit, -1))
+                    _send(chosen, module, h, selected)  # the same unit of every input
             else:
-                rest = unit
+                active = selected >= 0
+                rest = selected.clamp(min=0)
                 for h in reversed(range(len(plan.input_widths))):
                     width = plan.input_widths[h]
-                    _send(chosen, module.routes(h), torch.where(active, rest % width, -1))
+                    _send(chosen, module, h, torch.where(active, rest % width, -1))
                     rest = torch.div(rest, width, rounding_mode="floor")
     return result
 

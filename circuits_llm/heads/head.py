@@ -256,11 +256,13 @@ class MTPHead(nn.Module):
 
     def clear_cache(self) -> None:
         """Drop derived tensors cached for gradient-free calls (LEAN: ``W_lm U`` and the flat
-        ``V``; see :class:`~circuits_llm.heads.projections.LeanInputs`). They follow in-place
-        updates, ``load_state_dict`` and ``.to()`` by themselves; only edits through
-        ``tensor.data`` need this call."""
+        ``V``; the sum map's transposed weight; see
+        :class:`~circuits_llm.heads.projections.DerivedCache`). They follow in-place updates,
+        ``load_state_dict`` and ``.to()`` by themselves; only edits through ``tensor.data`` need
+        this call."""
         if isinstance(self.inputs, LeanInputs):
             self.inputs.clear_cache()
+        self.sums.cache.clear()
 
     # ------------------------------------------------------------------ sizes
     def num_parameters(self) -> int:

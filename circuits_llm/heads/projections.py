@@ -15,12 +15,15 @@ circuit) and returns ``{fold name: (B, F, K, V)}``; the sum projection returns
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor, nn
 
+T = TypeVar("T")
 
 @dataclass(frozen=True)
 class FoldShape:
@@ -42,6 +45,38 @@ class FoldShape:
     def numel(self) -> int:
         """Number of raw parameters per row, ``F * K * D``."""
         return self.folded * self.units * self.width
+
+
+class DerivedCache:
+    """Tensors derived from parameters, reused by calls that need no gradient through them.
+
+    :meth:`get` rebuilds an entry when a source tensor changed: new storage (``.to()``,
+    ``.data = ...``) or a bumped version counter (in-place updates: optimiser steps,
+    ``load_state_dict``). The entry keeps aliases of its sources so their addresses cannot be
+    reused while it exists. In-place edits through ``tensor.data`` are invisible to version
+    counters: call :meth:`clear` after them. Entries built in inference mode serve only inference
+    mode (inference tensors cannot enter autograd graphs later).
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[tuple[object, ...], tuple[Tensor, ...], object]] = {}
+
+    def get(self, name: str, sources: tuple[Tensor, ...], build: Callable[[], T]) -> T:
+        """``build()``, cached under ``name`` unless a gradient must reach a source."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in sources):
+            return build()
+        key = (torch.is_inference_mode_enabled(),
+               *((t.data_ptr(), t._version, t.dtype, t.device) for t in sources))
+        hit = self.entries.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[2]  # type: ignore[return-value]
+        with torch.no_grad():
+            value = build()
+        self.entries[name] = (key, tuple(t.detach() for t in sources), value)
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
 
 
 class FullInputs(nn.Module):
@@ -101,10 +136,10 @@ class LeanInputs(nn.Module):
     unit's codes) and the products ``W_lm U`` as ``(F K, rho, V)`` (one batched matmul gives every
     unit's logits): ``B d F K rho + B F K rho V`` multiply-adds per call instead of the
     ``B F K d V`` of pushing ``F K`` transformed states through the LM head. When no gradient
-    reaches ``down`` / ``up`` (decoding, evaluation, frozen heads) the maps are cached and rebuilt
-    only after those tensors change (in-place updates, ``load_state_dict``, ``.to()``); edits
-    through ``tensor.data`` bypass PyTorch's version counters: call :meth:`clear_cache` after
-    them. Cached and freshly built maps are the same tensors, so outputs are bitwise equal.
+    reaches ``down`` / ``up`` (decoding, evaluation, frozen heads) the maps are cached
+    (:class:`DerivedCache`: rebuilt after in-place updates, ``load_state_dict``, ``.to()``; call
+    :meth:`clear_cache` after edits through ``tensor.data``). Cached and freshly built maps are
+    the same tensors, so outputs are bitwise equal.
     """
 
     def __init__(self, folds: list[FoldShape], hidden_size: int, vocab_size: int, bias: bool,
@@ -126,13 +161,12 @@ class LeanInputs(nn.Module):
             if bias:
                 self.bias[fold.name] = nn.Parameter(
                     torch.zeros(fold.folded, fold.units, vocab_size, dtype=dtype))
-        #: fold name -> (key, source aliases, (down_flat, vocab_up)); see :meth:`derived_maps`.
-        self._cache: dict[str, tuple[tuple[object, ...], tuple[Tensor, ...],
-                                     tuple[Tensor, Tensor]]] = {}
+        #: (down_flat, vocab_up) per fold name, see :meth:`derived_maps`
+        self.cache = DerivedCache()
 
     def clear_cache(self) -> None:
         """Drop the cached derived maps (needed only after edits through ``tensor.data``)."""
-        self._cache.clear()
+        self.cache.clear()
 
     def _build_maps(self, name: str) -> tuple[Tensor, Tensor]:
         down, up = self.down[name], self.up[name]
@@ -144,24 +178,11 @@ class LeanInputs(nn.Module):
     def derived_maps(self, name: str) -> tuple[Tensor, Tensor]:
         """Fold ``name``'s ``(down_flat (d, F K rho), vocab_up (F K, rho, V))``.
 
-        Differentiable when a gradient must reach ``down`` or ``up``; otherwise cached, keyed by
-        the storage and version counter of ``down``, ``up`` and ``lm_head`` (and by inference
-        mode, whose tensors cannot enter autograd graphs later).
+        Differentiable when a gradient must reach ``down`` or ``up``; otherwise cached
+        (:class:`DerivedCache` over ``down``, ``up`` and ``lm_head``).
         """
-        down, up = self.down[name], self.up[name]
-        if torch.is_grad_enabled() and (down.requires_grad or up.requires_grad):
-            return self._build_maps(name)
-        key = (torch.is_inference_mode_enabled(),
-               *((t.data_ptr(), t._version, t.dtype, t.device) for t in (down, up, self.lm_head)))
-        hit = self._cache.get(name)
-        if hit is not None and hit[0] == key:
-            return hit[2]
-        with torch.no_grad():
-            maps = self._build_maps(name)
-        # the aliases keep the source storages alive, so a reallocated tensor never reuses
-        # their addresses while this entry exists
-        self._cache[name] = (key, (down.detach(), up.detach(), self.lm_head), maps)
-        return maps
+        return self.cache.get(name, (self.down[name], self.up[name], self.lm_head),
+                              lambda: self._build_maps(name))
 
     def forward(self, hidden: Tensor) -> dict[str, Tensor]:
         """``hidden`` (B, d) -> ``{name: logits (B, F, K, V)}``.
@@ -213,12 +234,21 @@ class SumProjection(nn.Module):
                 block.diagonal(dim1=1, dim2=2).fill_(identity_bias)
             offset += fold.numel
         self.bias = nn.Parameter(bias)
+        #: ``weight`` transposed to (d, S), see :meth:`forward`
+        self.cache = DerivedCache()
 
     def forward(self, hidden: Tensor) -> dict[str, Tensor]:
-        """``hidden`` (B, d) -> ``{name: raw weights (B, F, K, D)}`` (one matmul in all)."""
+        """``hidden`` (B, d) -> ``{name: raw weights (B, F, K, D)}`` (one matmul in all).
+
+        The matmul reads ``weight`` as a contiguous (d, S) copy, which BLAS streams faster at
+        batch 1 (decoding) than the (S, d) layout; gradient-free calls cache that copy
+        (:class:`DerivedCache`), so cached and fresh outputs are bitwise equal.
+        """
         if not self.folds:
             return {}
-        flat = nnf.linear(hidden, self.weight, self.bias)
+        transposed = self.cache.get("weight", (self.weight,),
+                                    lambda: self.weight.t().contiguous())
+        flat = torch.addmm(self.bias, hidden, transposed)
         out = {}
         offset = 0
         batch = hidden.shape[0]
