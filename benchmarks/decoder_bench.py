@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import transformers
 from torch import Tensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from benchmarks.spec_tools import ForcedAcceptance
 from circuits.compiled.circuit import LogParameters
@@ -65,6 +65,7 @@ from circuits_llm.decoder import (
 )
 from circuits_llm.heads import MTPHead
 from circuits_llm.metrics import DecodeSummary
+from circuits_llm.pretrain import ModelShape
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decoder_bench.json"
@@ -108,12 +109,11 @@ class BenchConfig:
 def build_model(config: BenchConfig) -> LlamaForCausalLM:
     """The random-weight byte-level Llama of ``config``, in eval mode."""
     torch.manual_seed(config.seed)
-    llama = LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.layers,
-        num_attention_heads=config.attention_heads, num_key_value_heads=config.attention_heads,
-        max_position_embeddings=2048, bos_token_id=int(data.SpecialToken.BOS),
-        eos_token_id=int(data.SpecialToken.EOS), pad_token_id=int(data.SpecialToken.PAD))
+    shape = ModelShape(hidden_size=config.hidden_size, num_layers=config.layers,
+                       num_heads=config.attention_heads,
+                       intermediate_size=config.intermediate_size, max_positions=2048)
+    llama = shape.config()  # the embedded model's architecture (tied embeddings, specials)
+    llama.vocab_size = config.vocab_size
     return LlamaForCausalLM(llama).eval()
 
 
