@@ -192,9 +192,7 @@ def draft_conditionals(circuit: CompiledCircuit, params: dict[str, Tensor] | Log
     rows = drafts.shape[0]
     shared: dict[str, Tensor] | LogParameters
     if isinstance(params, LogParameters):
-        shared = params if params.batch in (None, rows) else LogParameters(
-            {k: v.expand(rows, *v.shape[1:]) if v.dim() == 4 else v
-             for k, v in params.values.items()}, rows)
+        shared = params.expand(rows)
     else:
         shared = {k: v.expand(rows, *v.shape[1:]) for k, v in params.items()}
     return log_prefix_conditionals(circuit, x, None, shared)[:, 1:].double().exp()

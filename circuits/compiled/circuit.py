@@ -29,6 +29,7 @@ from circuits.compiled.layers import (
     FoldedProduct,
     FoldedSum,
     Semiring,
+    SoftmaxParts,
     exp_weights,
     gather_inputs,
 )
@@ -64,14 +65,15 @@ class Trace:
     """Everything a bottom-up pass computed, for the top-down passes that follow it.
 
     ``outputs[i]`` is fold ``i``'s output ``(F, B, K)``; ``sum_inputs[i]`` the concatenated input
-    of sum fold ``i`` ``(F, B, D)``; ``log_params[i]`` its log-weights or log-probabilities;
+    of sum fold ``i`` ``(F, B, D)``; ``log_params[i]`` its log-weights or log-probabilities
+    (an input fold's may be :class:`~circuits.compiled.layers.SoftmaxParts`);
     ``sum_parts[i]`` (gradient-free SUM passes on the torch path) the ``(probs, total)`` that
     :func:`~circuits.compiled.layers.log_matmul` computed for sum fold ``i``.
     """
 
     outputs: list[Tensor] = field(default_factory=list)
     sum_inputs: dict[int, Tensor] = field(default_factory=dict)
-    log_params: dict[int, Tensor] = field(default_factory=dict)
+    log_params: dict[int, Tensor | SoftmaxParts] = field(default_factory=dict)
     sum_parts: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
@@ -83,10 +85,12 @@ class LogParameters:
     ``params`` mapping and then skips the parameterisation (e.g. a log-softmax over a
     vocabulary) that it would otherwise recompute. ``values[fold_id]`` is ``(F, K, D)`` for the
     module's own parameters or ``(S, F, K, D)`` for external ones; ``batch`` is ``S`` (None when
-    every fold uses the module's own). Differentiable when the raw parameters were.
+    every fold uses the module's own). Differentiable when the raw parameters were. Where the
+    triton kernels run on gradient-free softmax logits, an input fold's entry is a
+    :class:`~circuits.compiled.layers.SoftmaxParts` instead of the log-softmax table.
     """
 
-    values: dict[int, Tensor]
+    values: dict[int, Tensor | SoftmaxParts]
     batch: int | None
     #: tensors derived from ``values`` (gradient-free), filled on demand by the methods below:
     #: ``("probs", fold_id)`` and ``("exp_weights", fold_id)``.
@@ -96,15 +100,34 @@ class LogParameters:
         """``exp(values[fold_id])`` of an input fold, computed once (no gradient)."""
         key = ("probs", fold_id)
         if key not in self.derived:
-            self.derived[key] = self.values[fold_id].detach().exp()
+            table = self.values[fold_id]
+            if isinstance(table, SoftmaxParts):
+                table = table.log_probs()
+            self.derived[key] = table.detach().exp()
         return self.derived[key]  # type: ignore[return-value]
 
     def exp_weights(self, fold_id: int) -> ExpWeights:
         """:func:`~circuits.compiled.layers.exp_weights` of a sum fold, computed once."""
         key = ("exp_weights", fold_id)
         if key not in self.derived:
-            self.derived[key] = exp_weights(self.values[fold_id].detach())
+            table = self.values[fold_id]
+            assert isinstance(table, Tensor), "sum folds always hold tensors"
+            self.derived[key] = exp_weights(table.detach())
         return self.derived[key]  # type: ignore[return-value]
+
+    def expand(self, sets: int) -> LogParameters:
+        """These single-set parameters seen as ``sets`` sets (stride-0 views, no copy)."""
+        if self.batch in (None, sets):
+            return self
+        if self.batch != 1:
+            raise InvalidInputError(f"only one parameter set can be expanded, not {self.batch}")
+        values: dict[int, Tensor | SoftmaxParts] = {}
+        for key, value in self.values.items():
+            if isinstance(value, SoftmaxParts):
+                values[key] = value.expand(sets)
+            else:
+                values[key] = value.expand(sets, *value.shape[1:]) if value.dim() == 4 else value
+        return LogParameters(values, sets)
 
 
 #: what every query accepts as parameters: raw external tensors or prepared log-parameters.
@@ -236,10 +259,15 @@ class CompiledCircuit(nn.Module):
         checked = self.validate_params(params, None)
         if isinstance(checked, LogParameters):
             return checked
-        values: dict[int, Tensor] = {}
+        values: dict[int, Tensor | SoftmaxParts] = {}
         for plan, module in zip(self.plans, self.folds, strict=True):
             if isinstance(module, FoldedInput):
-                values[plan.fold_id] = module.log_probs(checked.get(plan.name))
+                raw = checked.get(plan.name)
+                if module.lazy_softmax(raw):
+                    assert raw is not None
+                    values[plan.fold_id] = module.softmax_parts(raw)
+                else:
+                    values[plan.fold_id] = module.log_probs(raw)
             elif isinstance(module, FoldedSum):
                 values[plan.fold_id] = module.log_weights(checked.get(plan.name))
         return LogParameters(values, self.params_batch_size(checked))
@@ -322,6 +350,7 @@ class CompiledCircuit(nn.Module):
                 weights = None
                 if prepared is not None:
                     log_weights = prepared[plan.fold_id]
+                    assert isinstance(log_weights, Tensor), "sum folds always hold tensors"
                     if semiring is Semiring.SUM and not log_weights.requires_grad:
                         assert isinstance(params, LogParameters)
                         weights = params.exp_weights(plan.fold_id)  # shared by passes

@@ -53,7 +53,9 @@ def input_gradients(circuit: CompiledCircuit, trace: Trace,
             continue
         assert isinstance(module, RoutedFold)
         if isinstance(module, FoldedSum):
-            grad_in = _sum_input_gradient(trace, plan.fold_id, grad, params.values[plan.fold_id],
+            log_weights = params.values[plan.fold_id]
+            assert isinstance(log_weights, Tensor), "sum folds always hold tensors"
+            grad_in = _sum_input_gradient(trace, plan.fold_id, grad, log_weights,
                                           params.exp_weights(plan.fold_id))
             parts = list(grad_in.split(list(plan.input_widths), dim=-1))
         elif plan.product_kind is ProductKind.HADAMARD:

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from circuits.compiled.folding import FoldPlan, InputAddress
 from circuits.kernels import TritonLogMatmul, use_triton
-from circuits.parameterizations import Parameterization
+from circuits.kernels.softmax import softmax_stats
+from circuits.parameterizations import Parameterization, Softmax
 from circuits.symbolic import InputLayer, ProductKind, SumLayer
 
 
@@ -42,6 +43,34 @@ def _initial_raw(plan: FoldPlan, shape: tuple[int, int], generator: torch.Genera
     # float64 initial values keep their precision until compile() casts to the requested dtype
     dtype = torch.float64 if any(row.dtype == torch.float64 for row in rows) else torch.float32
     return torch.stack([row.to(dtype) for row in rows])
+
+
+class SoftmaxParts(NamedTuple):
+    """Per-row categorical log-probabilities kept as ``logits - lse``, without the table.
+
+    :meth:`FoldedInput.softmax_parts` makes them where the triton kernels run
+    (:meth:`~circuits.compiled.CompiledCircuit.log_parameters`): the bottom-up pass gathers
+    ``logits[c] - lse``, the sampler draws by Gumbel-max on the logits and the conditionals mix
+    them with :func:`~circuits.kernels.softmax.softmax_mixture`, so the ``(S, F, K, C)``
+    log-softmax is never written. :meth:`log_probs` builds it for the queries that need it.
+
+    Attributes:
+        logits: (S, F, K, C) raw parameters of S sets.
+        lse: (S, F, K) their log-normalisers.
+    """
+
+    logits: Tensor
+    lse: Tensor
+
+    def log_probs(self) -> Tensor:
+        """The ``(S, F, K, C)`` log-softmax (``-inf`` rows where a row has no mass)."""
+        finite = torch.isfinite(self.lse)[..., None]
+        return torch.where(finite, self.logits - self.lse[..., None], -torch.inf)
+
+    def expand(self, sets: int) -> SoftmaxParts:
+        """The same single parameter set seen as ``sets`` sets (stride-0 views, no copy)."""
+        return SoftmaxParts(self.logits.expand(sets, *self.logits.shape[1:]),
+                            self.lse.expand(sets, *self.lse.shape[1:]))
 
 
 class FoldedInput(nn.Module):
@@ -69,17 +98,43 @@ class FoldedInput(nn.Module):
         """Log-probabilities ``(F, K, C)`` or, for per-row parameters, ``(B, F, K, C)``."""
         return self.parameterization.log_weights(self.raw if raw is None else raw)
 
-    def forward(self, x: Tensor, observed: Tensor, log_probs: Tensor,
+    def lazy_softmax(self, raw: Tensor | None) -> bool:
+        """Whether :meth:`softmax_parts` should stand in for :meth:`log_probs` on ``raw``: external
+        softmax logits, no integrated slot, no gradient wanted, and the triton backend selected."""
+        return (raw is not None and isinstance(self.parameterization, Softmax)
+                and not self.any_integrated
+                and not (torch.is_grad_enabled() and raw.requires_grad) and use_triton(raw))
+
+    def softmax_parts(self, raw: Tensor) -> SoftmaxParts:
+        """``raw`` (S, F, K, C) logits and their log-normalisers, in one pass over ``C``."""
+        stats = softmax_stats(raw.reshape(-1, raw.shape[-1]))
+        return SoftmaxParts(raw, stats.log_normalizer.view(raw.shape[:-1]))
+
+    def forward(self, x: Tensor, observed: Tensor, log_probs: Tensor | SoftmaxParts,
                 semiring: Semiring = Semiring.SUM) -> Tensor:
         """Log-values ``(F, B, K)`` of the units given data.
 
         Args:
             x: (B, V) long, category of every variable (ignored where not observed).
             observed: (B, V) bool; unobserved variables are summed out (max-ed out under MAX).
-            log_probs: from :meth:`log_probs`.
+            log_probs: from :meth:`log_probs`, or :meth:`softmax_parts` (read without building
+                the log-softmax table under the SUM semiring).
         """
+        parts = log_probs if isinstance(log_probs, SoftmaxParts) else None
+        if parts is not None and semiring is not Semiring.SUM:
+            parts, log_probs = None, log_probs.log_probs()
         # unobserved entries are never read, whatever they hold: keep them in range for indexing
         values = x[:, self.variables].clamp(0, self.num_categories - 1)  # (B, F)
+        if parts is not None:
+            sets, fold, units = parts.lse.shape
+            rows_per_set = values.shape[0] // max(sets, 1)
+            index = values.view(sets, rows_per_set, fold).permute(0, 2, 1)[:, :, None, :]
+            picked = parts.logits.gather(3, index.expand(sets, fold, units, rows_per_set))
+            lse = parts.lse[..., None]
+            picked = torch.where(torch.isfinite(lse), picked - lse, -torch.inf)
+            picked = picked.permute(1, 0, 3, 2).reshape(fold, values.shape[0], units)
+            return torch.where(observed[:, self.variables].T[:, :, None], picked, 0.0)
+        assert isinstance(log_probs, Tensor)
         if log_probs.dim() == 3:
             fold, units, size = log_probs.shape
             batch = values.shape[0]

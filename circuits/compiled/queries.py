@@ -23,8 +23,9 @@ from torch import Tensor
 
 from circuits.compiled.circuit import CompiledCircuit, LogParameters, ParamsLike, Trace
 from circuits.compiled.derivatives import input_gradients
-from circuits.compiled.layers import FoldedInput
+from circuits.compiled.layers import FoldedInput, SoftmaxParts
 from circuits.errors import InvalidInputError
+from circuits.kernels.softmax import softmax_mixture
 
 
 def _uniform_categories(circuit: CompiledCircuit, variables: Sequence[int]) -> int:
@@ -72,8 +73,10 @@ def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
                 continue
             leaf = trace.outputs[fold_id]  # (F, B, K) log-values l_u
             weight = torch.where(grad > 0, grad * torch.exp(-leaf), 0.0)
-            probs = prepared.probs(fold_id)
-            if probs.dim() == 3:
+            table = prepared.values[fold_id]
+            if isinstance(table, SoftmaxParts):  # triton: no softmax table is ever written
+                contribution = softmax_mixture(weight, table.logits, table.lse)
+            elif (probs := prepared.probs(fold_id)).dim() == 3:
                 contribution = torch.bmm(weight, probs)  # (F, B, C)
             else:  # one parameter set per group of batch // sets rows: (F S) batched matmuls
                 sets, fold, units, size = probs.shape

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from circuits.compiled.circuit import CompiledCircuit, LogParameters, ParamsLike, Trace
 from circuits.compiled.folding import FoldKind
-from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring
+from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring, SoftmaxParts
 from circuits.errors import InvalidInputError
 from circuits.kernels import GumbelChooser, choose_sum_children
 from circuits.symbolic import ProductKind
@@ -59,13 +59,23 @@ def _rows(table: Tensor, unit: Tensor) -> Tensor:
     return table[rows, folds, unit]
 
 
-def _choose_categories(choose: Chooser, table: Tensor, unit: Tensor) -> Tensor:
+def _choose_categories(choose: Chooser, table: Tensor | SoftmaxParts, unit: Tensor) -> Tensor:
     """Input units' choices ``(F, B)``, each from row ``unit[f, b]`` of their log-probabilities.
 
     For a table shared by the batch, ``(F, K, C)``, the ``(F, B, C)`` rows are never built: MAP
     takes the table's row-wise argmax once, and sampling inverts each row's CDF with one float64
-    uniform per draw instead of ``C`` Gumbel variables (the same exact distribution).
+    uniform per draw instead of ``C`` Gumbel variables (the same exact distribution). For
+    :class:`~circuits.compiled.layers.SoftmaxParts`, Gumbel-max and argmax read the logits
+    (both are blind to the per-row shift ``lse``), through the fused step on the triton backend.
     """
+    if isinstance(table, SoftmaxParts):
+        batch = unit.shape[1]
+        sets = table.logits.shape[0]
+        shift_free = isinstance(choose, GumbelChooser) or choose is argmax_chooser
+        if shift_free and sets in (1, batch):
+            logits = table.logits.expand(batch, *table.logits.shape[1:])
+            return choose_sum_children(choose, logits, unit, None)
+        table = table.log_probs()
     if table.dim() == 3:
         if choose is argmax_chooser:
             folds = torch.arange(unit.shape[0], device=unit.device)[:, None]

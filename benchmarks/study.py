@@ -1,0 +1,236 @@
+"""The head study on the embedded model: the structure of the MTPC paper's Tables 5-7.
+
+Run ``python -m benchmarks.study [--grid paper|full] [--phase train|decode|all] [--out DIR]``.
+
+Every *cell* is a window ``n`` and a number ``k`` of LoRA draft layers. In each cell the heads
+are trained (or loaded from the study's head cache) on the embedded byte-level Llama with the
+same wall-clock budget per head kind, then the autoregressive decoder and one speculative decoder
+per head decode the same held-out prompts, greedy and sampling, interleaved prompt by prompt
+(:func:`circuits_llm.demo.compare_decoders`), so every speed-up is a ratio measured in one run.
+
+Grids:
+
+* ``paper`` (default): the paper's own design. Table 6: FF, CP r=8, CP r=32, HMM r=32 and
+  BTree r=32 at ``k = 0`` for ``n`` in {8, 16}; Table 7: FF and BTree at ``k`` in {1, 2}.
+* ``full``: every head at every ``(n, k)`` (30 heads; about twice the CPU time).
+
+The run is resumable: a finished cell is written to ``<out>/cells/n<n>-k<k>.json`` and skipped
+when the study runs again; heads are cached in ``--heads`` (default ``runs/study/heads``, outside
+version control; keyed by model fingerprint and training configuration). ``--phase train`` only
+trains (useful as a background job); ``decode`` then finds every head in the cache. At the end
+``<out>/study.json``, ``<out>/study.md`` (the table of ``docs/results.md``) and
+``<out>/study-tradeoff.png`` are written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuits_llm import demo
+from circuits_llm import report as rep
+from circuits_llm.data import evaluation_prompts
+from circuits_llm.report import DecodeMode, DecoderRow
+
+
+class Grid(Enum):
+    PAPER = "paper"
+    FULL = "full"
+
+
+class Phase(Enum):
+    TRAIN = "train"
+    DECODE = "decode"
+    ALL = "all"
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """One head of the study: its display name, template and rank."""
+
+    name: str
+    architecture: str
+    rank: int
+
+
+ALL_HEADS = (HeadSpec("ff", "ff", 1), HeadSpec("cp-r8", "cp", 8), HeadSpec("cp-r32", "cp", 32),
+             HeadSpec("hmm", "hmm", 32), HeadSpec("btree", "btree", 32))
+LORA_HEADS = (ALL_HEADS[0], ALL_HEADS[-1])
+WINDOWS = (8, 16)
+LORA_LAYERS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Cell:
+    window: int
+    lora_layers: int
+    heads: tuple[HeadSpec, ...]
+
+    @property
+    def key(self) -> str:
+        return f"n{self.window}-k{self.lora_layers}"
+
+
+def cells(grid: Grid) -> list[Cell]:
+    """The study's cells in run order (k = 0 first: it holds the most heads)."""
+    result = []
+    for k in LORA_LAYERS:
+        for n in WINDOWS:
+            heads = ALL_HEADS if grid is Grid.FULL or k == 0 else LORA_HEADS
+            result.append(Cell(n, k, heads))
+    return result
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """Budgets shared by every cell.
+
+    Attributes:
+        ff_seconds, circuit_seconds: training wall-clock per FF head / per other head (an FF step
+            is far cheaper, so it converges in less time).
+        prompts, new_tokens, prompt_bytes, temperature, seed: as in
+            :class:`circuits_llm.demo.ComparisonConfig`.
+    """
+
+    ff_seconds: float = 75.0
+    circuit_seconds: float = 200.0
+    prompts: int = 8
+    new_tokens: int = 128
+    prompt_bytes: int = 128
+    temperature: float = 1.0
+    seed: int = 0
+
+    def budget(self, head: HeadSpec) -> float:
+        return self.ff_seconds if head.architecture == "ff" else self.circuit_seconds
+
+
+def head_training(cell: Cell, head: HeadSpec) -> Any:
+    """The :class:`~circuits_llm.training.HeadTrainingConfig` of ``head`` in ``cell``."""
+    base = demo.ComparisonConfig(window=cell.window, rank=head.rank, lora_layers=cell.lora_layers)
+    return demo.training_config(replace(base, rank=head.rank), head.architecture)
+
+
+def obtain(loaded: demo.LoadedModel, cell: Cell, head: HeadSpec, cache: Path,
+           settings: StudySettings, log: Any) -> demo.ReadyHead:
+    ready = demo.obtain_head(loaded, head_training(cell, head), cache, settings.budget(head))
+    r = ready.record
+    log(f"[{cell.key}] {head.name}: {'cached' if r['cached'] else 'trained'}, {r['steps']} steps, "
+        f"validation bits/byte {r['validation_bits_before']:.3f} -> "
+        f"{r['validation_bits_after']:.3f}")
+    return ready
+
+
+def decode_cell(loaded: demo.LoadedModel, cell: Cell, ready: list[tuple[HeadSpec, Any]],
+                settings: StudySettings) -> dict[str, Any]:
+    """Decode the prompts with AR and every head of the cell; the cell's JSON record."""
+    from circuits_llm.backbone import HFBackbone
+    from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    prompts = evaluation_prompts(settings.prompts, settings.prompt_bytes)
+    decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}
+    decoders.update({spec.name: SpeculativeDecoder(r.backbone, r.head) for spec, r in ready})
+    start = time.perf_counter()
+    comparison = demo.compare_decoders(decoders, prompts, settings.new_tokens,
+                                       settings.temperature, settings.seed)
+    rows = comparison.rows()
+    heads = {spec.name: {"architecture": spec.architecture, "rank": spec.rank,
+                         "parameters": r.record["parameters"], "steps": r.record["steps"],
+                         "train_wall_s": r.record["train_wall_s"],
+                         "validation_bits_after": r.record["validation_bits_after"]}
+             for spec, r in ready}
+    return {"window": cell.window, "lora_layers": cell.lora_layers, "heads": heads,
+            "rows": [row.to_json() for row in rows],
+            "greedy_identical": comparison.greedy_identical(),
+            "decode_wall_s": time.perf_counter() - start, "machine": demo.machine_info()}
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    """One line per (mode, n, k, decoder): the paper's columns plus speed-ups and training steps."""
+    lines = ["| mode | n | k | decoder | params | train steps | mu_lat (ms) | mu_acc | bytes/s "
+             "| x AR | x FF |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode in DecodeMode:
+        for record in records:
+            rows = [DecoderRow.from_json(row) for row in record["rows"]]
+            for row in rows:
+                if row.mode is not mode:
+                    continue
+                head = record["heads"].get(row.decoder, {})
+                params = f"{head['parameters'] / 1e6:.2f}M" if head else "-"
+                lines.append(
+                    f"| {mode.value} | {record['window']} | {record['lora_layers']} | "
+                    f"{row.decoder} | {params} | {head.get('steps', '-')} | "
+                    f"{row.mean_latency_s * 1e3:.2f} | {row.tokens_per_round:.2f} | "
+                    f"{row.throughput:.1f} | {rep._fmt(row.speedup_vs_ar, '.2f')} | "
+                    f"{rep._fmt(row.speedup_vs_ff, '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Accepted length vs latency of every sampling row, named ``head nN kK``."""
+    rows = []
+    for record in records:
+        tag = f" n{record['window']} k{record['lora_layers']}"
+        for row in map(DecoderRow.from_json, record["rows"]):
+            if row.mode is DecodeMode.SAMPLING and row.decoder != rep.BASELINE:
+                rows.append(replace(row, decoder=row.decoder + tag))
+    if rows:
+        rep.write_tradeoff_plot(rows, path, "study, sampling: accepted length vs latency per round")
+
+
+def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySettings) -> int:
+    log = print
+    torch.manual_seed(settings.seed)
+    loaded = demo.load_model(demo.EMBEDDED)
+    cell_dir = out / "cells"
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for cell in cells(grid):
+        done = cell_dir / f"{cell.key}.json"
+        if done.is_file() and phase is not Phase.TRAIN:
+            records.append(json.loads(done.read_text()))
+            log(f"[{cell.key}] done earlier: {done}")
+            continue
+        ready = [(spec, obtain(loaded, cell, spec, cache, settings, log)) for spec in cell.heads]
+        if phase is Phase.TRAIN:
+            continue
+        record = decode_cell(loaded, cell, ready, settings)
+        rep.write_json(record, done)
+        log(f"[{cell.key}]\n" + rep.format_table(map(DecoderRow.from_json, record["rows"])))
+        records.append(record)
+    if phase is Phase.TRAIN:
+        return 0
+    summary = {"grid": grid.value, "settings": settings.__dict__, "model": loaded.describe(),
+               "cells": records}
+    table = markdown_table(records)
+    rep.atomic_write(out / "study.md", lambda tmp: tmp.write_text(table + "\n"))
+    plot(records, out / "study-tradeoff.png")
+    rep.write_json(demo._jsonable(summary), out / "study.json")
+    log("\n" + table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grid", type=Grid, default=Grid.PAPER, choices=list(Grid))
+    parser.add_argument("--phase", type=Phase, default=Phase.ALL, choices=list(Phase))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/study"))
+    parser.add_argument("--heads", type=Path, default=Path("runs/study/heads"))
+    parser.add_argument("--ff-seconds", type=float, default=StudySettings.ff_seconds)
+    parser.add_argument("--circuit-seconds", type=float, default=StudySettings.circuit_seconds)
+    parser.add_argument("--prompts", type=int, default=StudySettings.prompts)
+    parser.add_argument("--new-tokens", type=int, default=StudySettings.new_tokens)
+    args = parser.parse_args(argv)
+    settings = StudySettings(ff_seconds=args.ff_seconds, circuit_seconds=args.circuit_seconds,
+                             prompts=args.prompts, new_tokens=args.new_tokens)
+    return run(args.grid, args.phase, args.out, args.heads, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
