@@ -10,6 +10,12 @@ weights (circuit folds only), and the Gumbel-max sampling step through the fold.
 random log-values of the real shapes. Candidates are timed round-robin (medians of rounds; CUDA
 calls are synchronised), and on CUDA the two outputs are compared.
 
+The head case times what one speculative round asks of a BTree n=16 r=32 head over V=259 bytes
+(per-row logits ``(1, 16, 32, 259)``): the input statistics (log-normalisers and the
+log-probabilities of 16 tokens; torch builds the log-softmax table), the prefix-conditional
+mixture (16 evidence rows), and the whole head part of a round (``log_parameters``, conditional
+sampling of the draft, exact prefix conditionals) on each backend.
+
 On a machine without CUDA the triton kernels can only run in triton's (very slow) interpreter,
 which says nothing about GPU speed: the torch timings are reported and the triton column says
 "no GPU: triton timings not measured". Results are printed as a table and written atomically as
@@ -36,7 +42,14 @@ import torch
 
 from circuits import compile
 from circuits.compiled.layers import FoldedSum
-from circuits.kernels import KernelBackend, log_matmul, resolve_backend, sum_child_choice
+from circuits.kernels import (
+    KernelBackend,
+    log_matmul,
+    resolve_backend,
+    sum_child_choice,
+    use_backend,
+)
+from circuits.kernels.softmax import softmax_mixture, softmax_stats
 from circuits.templates import btree, hmm
 
 SCHEMA_VERSION = 1
@@ -114,6 +127,44 @@ def operations(shape: Shape, device: torch.device, dtype: torch.dtype, per_row: 
     return ops
 
 
+HEAD_SHAPE = (16, 16, 32, 259)  # input folds F, evidence rows B, units K, vocabulary C
+
+
+def head_operations(device: torch.device, dtype: torch.dtype, gen: torch.Generator
+                    ) -> dict[str, Callable[[KernelBackend], Callable[[], Any]]]:
+    """The head part of a speculative round on a BTree n=16 r=32 V=259 circuit (batch 1)."""
+    fold, rows, units, size = HEAD_SHAPE
+    compiled = compile(btree(fold, units, size), dtype=dtype).to(device)
+    params = {name: torch.randn(1, *shape, generator=gen, dtype=dtype).to(device)
+              for name, shape in compiled.parameter_shapes().items()}
+    logits = torch.randn(fold * units, size, generator=gen, dtype=dtype).to(device)
+    tokens = torch.randint(0, size, (fold * units, rows), generator=gen).to(device)
+    weights = torch.rand(fold, rows, units, generator=gen, dtype=dtype).to(device)
+    table = logits.view(1, fold, units, size)
+    lse = torch.logsumexp(table, -1)
+    evidence = torch.randint(0, size, (rows, fold), generator=gen).to(device)
+    observed = torch.arange(fold, device=device) == 0
+
+    def stats(backend: KernelBackend) -> Callable[[], Any]:
+        if backend is KernelBackend.TORCH:  # the reference path: the whole log-softmax table
+            return lambda: torch.log_softmax(logits, -1).gather(1, tokens)
+        return lambda: softmax_stats(logits, tokens, backend=backend).log_probs
+
+    def head_round(backend: KernelBackend) -> Callable[[], Any]:
+        def call() -> Any:
+            with use_backend(backend):
+                prepared = compiled.log_parameters(params)
+                compiled.conditional_sample(evidence[:1], observed,
+                                            torch.Generator(device).manual_seed(0), prepared)
+                return compiled.log_prefix_conditionals(evidence, None, prepared.expand(rows))
+        return call
+
+    return {"input stats": stats,
+            "conditional mixture": lambda b: lambda: softmax_mixture(weights, table, lse,
+                                                                     backend=b),
+            "head part of a round": head_round}
+
+
 def check_agreement(op: Callable[[KernelBackend], Callable[[], Any]]) -> float | None:
     """Largest |torch - triton| of an operation's output (None for backward-only results)."""
     torch_out, triton_out = op(KernelBackend.TORCH)(), op(KernelBackend.TRITON)()
@@ -132,14 +183,27 @@ def run(quick: bool, device: torch.device, log: Callable[[str], None]) -> dict[s
     rounds = 3 if quick else 7
     probe = torch.zeros(1, device=device)
     triton_measured = resolve_backend(probe) is KernelBackend.TRITON
-    cases: list[tuple[str, Counter[Shape], bool]] = [
+    cases: list[tuple[str, Counter[Shape] | None, bool]] = [
         ("BTree n=16 r=32 K=256", sum_fold_shapes("btree", batch), True),
         ("HMM n=16 r=32 K=256", sum_fold_shapes("hmm", batch), True),
         ("large fold", Counter({(8 if quick else 16, batch, 128, 256): 1}), False),
     ]
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
-    for title, shapes, per_row in cases:
+    for title, shapes, per_row in [*cases, ("BTree head n=16 r=32 V=259", None, False)]:
+        if shapes is None:
+            ops = head_operations(device, dtype, gen)
+            log(f"{title}: logits (F, B, K, C) = {HEAD_SHAPE}")
+            for op_name, op in ops.items():
+                candidates = {"torch": op(KernelBackend.TORCH)}
+                if triton_measured:
+                    candidates["triton"] = op(KernelBackend.TRITON)
+                medians = timed_rounds(candidates, device, rounds)
+                rows.append({"case": title, "op": op_name, "shape_FBKD": list(HEAD_SHAPE),
+                             "folds": HEAD_SHAPE[0], "torch_ms": 1e3 * medians["torch"],
+                             "triton_ms": 1e3 * medians["triton"] if triton_measured else None,
+                             "max_abs_diff": check_agreement(op) if triton_measured else None})
+            continue
         totals: dict[str, dict[str, float]] = {}
         for shape, count in sorted(shapes.items()):
             log(f"{title}: {count} x fold (F, B, K, D) = {shape}")

@@ -100,8 +100,8 @@ class StudySettings:
             :class:`circuits_llm.demo.ComparisonConfig`.
     """
 
-    ff_seconds: float = 75.0
-    circuit_seconds: float = 200.0
+    ff_seconds: float = 90.0
+    circuit_seconds: float = 360.0
     prompts: int = 8
     new_tokens: int = 128
     prompt_bytes: int = 128

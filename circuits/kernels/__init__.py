@@ -10,7 +10,12 @@ Triton is optional: importing this package never imports it.
 Operations (:mod:`circuits.kernels.ops`): :func:`log_matmul` (the log-space sum layer, forward
 and backward; :func:`circuits.compiled.layers.log_matmul` dispatches to it) and
 :func:`sum_child_choice` (the Gumbel-max top-down step through a sum fold, used by the sampler
-through :func:`choose_sum_children`).
+through :func:`choose_sum_children`). :mod:`circuits.kernels.softmax`:
+:func:`~circuits.kernels.softmax.softmax_stats` (log-normalisers, selected log-probabilities and
+Gumbel-max draws of categorical logits in one pass) and
+:func:`~circuits.kernels.softmax.softmax_mixture` (``weights @ softmax(logits)`` without the
+softmax table), which the queries use for input folds held as
+:class:`~circuits.compiled.layers.SoftmaxParts`.
 """
 
 from circuits.kernels.backend import (
