@@ -256,6 +256,31 @@ def test_triton_per_row_weights_match_torch(case: tuple, expanded: bool) -> None
 
 
 @interpreted
+@settings(max_examples=20)
+@given(CASES)
+def test_triton_fused_backward_matches_torch_with_small_blocks(case: tuple) -> None:
+    from circuits.kernels import _triton
+    from circuits.kernels.ops import _finite_max
+
+    (fold, batch, units, width), dtype, p_inf, whole_rows, _, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    x = random_log_values((fold, batch, width), gen, dtype, p_inf, whole_rows)
+    w = random_log_values((fold, units, width), gen, dtype, p_inf, whole_rows)
+    x_t, w_t = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = torch_log_matmul(x_t, w_t)
+    upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    out.backward(upstream)
+    blocks = {"BLOCK_B": 16, "BLOCK_K": 16, "BLOCK_D": 16}  # several tiles and chunks
+    got_x, got_w = _triton.lse_matmul_shared_backward(
+        x, w, out.detach(), upstream, _finite_max(x).squeeze(-1), _finite_max(w).squeeze(-1),
+        (True, True), blocks)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    for mine, ref in ((got_x, x_t.grad), (got_w, w_t.grad)):
+        assert mine is not None and ref is not None and not mine.isnan().any()
+        torch.testing.assert_close(mine, ref, rtol=tol, atol=tol)
+
+
+@interpreted
 def test_triton_all_minus_inf_gives_minus_inf_and_zero_gradients() -> None:
     for w in (torch.zeros(2, 3, 5), torch.zeros(4, 2, 3, 5)):
         x = torch.full((2, 4, 5), -INF, requires_grad=True)
@@ -390,9 +415,13 @@ def test_kernels_lower_to_triton_ir_for_a_cuda_target(dtype: str) -> None:
     data = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
     choice = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "u_ptr": "*fp64", "unit_ptr": "*i64",
               "out_ptr": "*i64"}
+    grads = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "out_ptr", "grad_ptr", "xmax_ptr",
+                                           "wmax_ptr", "dx_ptr", "dw_ptr")}
     cases = [(_triton._lse_matmul_shared_kernel, data, {"BLOCK_B": 64, "BLOCK_K": 64, "BLOCK_D": 16}),
              (_triton._lse_matvec_rows_kernel, data, {"BLOCK_B": 4, "BLOCK_K": 32, "BLOCK_D": 64}),
-             (_triton._gumbel_sum_choice_kernel, choice, {"HAS_X": True, "BLOCK_B": 32, "BLOCK_D": 128})]
+             (_triton._gumbel_sum_choice_kernel, choice, {"HAS_X": True, "BLOCK_B": 32, "BLOCK_D": 128}),
+             (_triton._lse_matmul_grad_x_kernel, grads, {"BLOCK_B": 64, "BLOCK_K": 64, "BLOCK_D": 16}),
+             (_triton._lse_matmul_grad_w_kernel, grads, {"BLOCK_B": 64, "BLOCK_K": 64, "BLOCK_D": 16})]
     for fn, pointers, constants in cases:
         jitted = triton.jit(fn)
         signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
@@ -405,4 +434,5 @@ def test_kernels_lower_to_triton_ir_for_a_cuda_target(dtype: str) -> None:
             context)
         text = str(module)
         assert f"tt.func public @{fn.__name__}" in text
-        assert ("tt.dot" in text) == (fn is _triton._lse_matmul_shared_kernel)
+        assert ("tt.dot" in text) == (fn not in (_triton._lse_matvec_rows_kernel,
+                                                 _triton._gumbel_sum_choice_kernel))

@@ -10,6 +10,9 @@ Tensor shapes (``F`` folds, ``B`` batch, ``K`` sum units, ``D`` input units):
 
 * :func:`lse_matmul_shared`: ``x (F, B, D)``, ``logw (F, K, D)`` -> ``(F, B, K)``;
 * :func:`lse_matvec_rows`: ``x (F, B, D)``, ``logw (B, F, K, D)`` -> ``(F, B, K)``;
+* :func:`lse_matmul_shared_backward`: the gradients of :func:`lse_matmul_shared` with respect to
+  ``x`` and ``logw`` from ``out`` and the upstream ``grad`` (both ``(F, B, K)``), two tiled
+  products whose operands are exponentiated on the fly;
 * :func:`gumbel_sum_choice`: ``logw (F, K, D)`` or ``(B, F, K, D)``, ``unit (F, B)``,
   ``x (F, B, D)`` or None, ``uniforms (F, B, D)`` float64 -> ``(F, B)`` long.
 """
@@ -127,6 +130,91 @@ def _lse_matvec_rows_kernel(x_ptr, w_ptr, out_ptr, B, K, D,
     tl.store(out, result.to(dtype), mask=(offs_b < B)[:, None] & (offs_k < K)[None, :])
 
 
+def _lse_matmul_grad_x_kernel(x_ptr, w_ptr, out_ptr, grad_ptr, xmax_ptr, wmax_ptr, dx_ptr,
+                              B, K, D, sxf, sxb, sxd, swf, swk, swd, sof, sob, sok,
+                              sgf, sgb, sgk, smf, smb, snf, snk, sdf, sdb, sdd,
+                              BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+    """``dx[f, b, d] = exp(x - x_max) * sum_k G[f, b, k] exp(logw[f, k, d] - w_max[f, k])`` with
+    ``G = grad * exp(x_max + w_max - out)`` (0 where ``out = -inf``)."""
+    pid = tl.program_id(0)
+    num_b = tl.cdiv(B, BLOCK_B)
+    num_d = tl.cdiv(D, BLOCK_D)
+    f = (pid // (num_b * num_d)).to(tl.int64)
+    rest = pid % (num_b * num_d)
+    offs_b = (rest // num_d) * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_d = (rest % num_d) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_b = offs_b < B
+    mask_d = offs_d < D
+    rows = offs_b.to(tl.int64)
+    neg_inf = float("-inf")
+    x_max = tl.load(xmax_ptr + f * smf + rows * smb, mask=mask_b, other=0.0)
+    dtype = dx_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        mask_bk = mask_b[:, None] & mask_k[None, :]
+        w_max = tl.load(wmax_ptr + f * snf + offs_k * snk, mask=mask_k, other=0.0)
+        grad = tl.load(grad_ptr + f * sgf + rows[:, None] * sgb + offs_k[None, :] * sgk,
+                       mask=mask_bk, other=0.0)
+        out = tl.load(out_ptr + f * sof + rows[:, None] * sob + offs_k[None, :] * sok,
+                      mask=mask_bk, other=neg_inf)
+        finite = out > neg_inf
+        scale = tl.where(finite, grad * tl.exp(x_max[:, None] + w_max[None, :]
+                                               - tl.where(finite, out, 0.0)), 0.0)
+        w = tl.load(w_ptr + f * swf + offs_k[:, None] * swk + offs_d[None, :] * swd,
+                    mask=mask_k[:, None] & mask_d[None, :], other=neg_inf)
+        acc = tl.dot(scale, tl.exp(w - w_max[:, None]), acc, input_precision="ieee")
+    mask_bd = mask_b[:, None] & mask_d[None, :]
+    x = tl.load(x_ptr + f * sxf + rows[:, None] * sxb + offs_d[None, :] * sxd, mask=mask_bd,
+                other=neg_inf)
+    tl.store(dx_ptr + f * sdf + rows[:, None] * sdb + offs_d[None, :] * sdd,
+             (tl.exp(x - x_max[:, None]) * acc).to(dtype), mask=mask_bd)
+
+
+def _lse_matmul_grad_w_kernel(x_ptr, w_ptr, out_ptr, grad_ptr, xmax_ptr, wmax_ptr, dw_ptr,
+                              B, K, D, sxf, sxb, sxd, swf, swk, swd, sof, sob, sok,
+                              sgf, sgb, sgk, smf, smb, snf, snk, sdf, sdk, sdd,
+                              BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+    """``dlogw[f, k, d] = exp(logw - w_max) * sum_b G[f, b, k] exp(x[f, b, d] - x_max[f, b])``."""
+    pid = tl.program_id(0)
+    num_k = tl.cdiv(K, BLOCK_K)
+    num_d = tl.cdiv(D, BLOCK_D)
+    f = (pid // (num_k * num_d)).to(tl.int64)
+    rest = pid % (num_k * num_d)
+    offs_k = (rest // num_d) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = (rest % num_d) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_k = offs_k < K
+    mask_d = offs_d < D
+    neg_inf = float("-inf")
+    w_max = tl.load(wmax_ptr + f * snf + offs_k * snk, mask=mask_k, other=0.0)
+    dtype = dw_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_K, BLOCK_D], dtype)
+    for b0 in range(0, B, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        mask_b = offs_b < B
+        rows = offs_b.to(tl.int64)
+        mask_kb = mask_k[:, None] & mask_b[None, :]
+        x_max = tl.load(xmax_ptr + f * smf + rows * smb, mask=mask_b, other=0.0)
+        grad_t = tl.load(grad_ptr + f * sgf + rows[None, :] * sgb + offs_k[:, None] * sgk,
+                         mask=mask_kb, other=0.0)  # (BLOCK_K, BLOCK_B)
+        out_t = tl.load(out_ptr + f * sof + rows[None, :] * sob + offs_k[:, None] * sok,
+                        mask=mask_kb, other=neg_inf)
+        finite = out_t > neg_inf
+        scale_t = tl.where(finite, grad_t * tl.exp(x_max[None, :] + w_max[:, None]
+                                                   - tl.where(finite, out_t, 0.0)), 0.0)
+        x = tl.load(x_ptr + f * sxf + rows[:, None] * sxb + offs_d[None, :] * sxd,
+                    mask=mask_b[:, None] & mask_d[None, :], other=neg_inf)
+        acc = tl.dot(scale_t, tl.exp(x - x_max[:, None]), acc, input_precision="ieee")
+    mask_kd = mask_k[:, None] & mask_d[None, :]
+    w = tl.load(w_ptr + f * swf + offs_k[:, None] * swk + offs_d[None, :] * swd, mask=mask_kd,
+                other=neg_inf)
+    tl.store(dw_ptr + f * sdf + offs_k[:, None] * sdk + offs_d[None, :] * sdd,
+             (tl.exp(w - w_max[:, None]) * acc).to(dtype), mask=mask_kd)
+
+
 def _gumbel_sum_choice_kernel(w_ptr, x_ptr, u_ptr, unit_ptr, out_ptr, B, D,
                               swb, swf, swk, swd, sxf, sxb, sxd, suf, sub, sud,
                               snf, snb, sof, sob,
@@ -172,7 +260,9 @@ def kernels() -> SimpleNamespace:
         _BUILT[mode] = SimpleNamespace(
             shared=triton.jit(_lse_matmul_shared_kernel),
             rows=triton.jit(_lse_matvec_rows_kernel),
-            choice=triton.jit(_gumbel_sum_choice_kernel))
+            choice=triton.jit(_gumbel_sum_choice_kernel),
+            grad_x=triton.jit(_lse_matmul_grad_x_kernel),
+            grad_w=triton.jit(_lse_matmul_grad_w_kernel))
     return _BUILT[mode]
 
 
@@ -211,6 +301,39 @@ def lse_matvec_rows(x: Tensor, logw: Tensor, blocks: Blocks | None = None) -> Te
     kernels().rows[grid](x, logw, out, batch, units, width, *x.stride(), *logw.stride(),
                          *out.stride(), **sizes)
     return out
+
+
+def lse_matmul_shared_backward(x: Tensor, logw: Tensor, out: Tensor, grad: Tensor,
+                               x_max: Tensor, w_max: Tensor, needs: tuple[bool, bool],
+                               blocks: Blocks | None = None) -> tuple[Tensor | None, ...]:
+    """Gradients of ``out = lse_matmul_shared(x, logw)``: ``dx (F, B, D)``, ``dlogw (F, K, D)``.
+
+    ``x_max`` (F, B) and ``w_max`` (F, K) are the finite row maxima the forward shifted by
+    (0 for rows without a finite maximum), as in
+    :func:`circuits.kernels.ops.log_matmul_backward`.
+    """
+    fold, batch, width = x.shape
+    units = logw.shape[1]
+    high = 32 if x.dtype == torch.float32 else 16
+    sizes = {"BLOCK_B": _block(batch, 16, 64), "BLOCK_K": _block(units, 16, 64),
+             "BLOCK_D": _block(width, 16, high), **(blocks or {})}
+    common = (x, logw, out, grad, x_max, w_max)
+    strides = (*x.stride(), *logw.stride(), *out.stride(), *grad.stride(), *x_max.stride(),
+               *w_max.stride())
+    grad_x = grad_w = None
+    if needs[0]:
+        grad_x = torch.empty(fold, batch, width, dtype=x.dtype, device=x.device)
+        if grad_x.numel():
+            grid = (fold * triton.cdiv(batch, sizes["BLOCK_B"]) * triton.cdiv(width, sizes["BLOCK_D"]),)
+            kernels().grad_x[grid](*common, grad_x, batch, units, width, *strides,
+                                   *grad_x.stride(), **sizes)
+    if needs[1]:
+        grad_w = torch.empty(fold, units, width, dtype=x.dtype, device=x.device)
+        if grad_w.numel():
+            grid = (fold * triton.cdiv(units, sizes["BLOCK_K"]) * triton.cdiv(width, sizes["BLOCK_D"]),)
+            kernels().grad_w[grid](*common, grad_w, batch, units, width, *strides,
+                                   *grad_w.stride(), **sizes)
+    return grad_x, grad_w
 
 
 def gumbel_sum_choice(logw: Tensor, unit: Tensor, x: Tensor | None, uniforms: Tensor,

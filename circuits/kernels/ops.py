@@ -3,9 +3,10 @@
 * :func:`log_matmul`: the log-space sum layer ``out[f, b, k] = log sum_d exp(x[f, b, d] +
   logw[f, k, d])`` (weights ``(F, K, D)`` shared by the batch, or ``(B, F, K, D)`` one set per
   row), differentiable in both arguments. The torch path is
-  :func:`circuits.compiled.layers.log_matmul`; the triton path is one fused kernel forward and
-  exact torch math backward (:func:`log_matmul_backward`, the same expression autograd derives
-  for the torch path, and itself differentiable, so double backward works too).
+  :func:`circuits.compiled.layers.log_matmul`; the triton path is one fused kernel forward and,
+  for shared weights, two fused kernels backward (``dx`` and ``dlogw``, exponentials computed on
+  the fly); per-row weights and double backward (``create_graph=True``) use the exact torch math
+  of :func:`log_matmul_backward`, the expression autograd derives for the torch path.
 * :func:`sum_child_choice`: the top-down sampling step through a sum fold: per ``(f, b)`` a
   chosen unit (or -1), logits ``logw[f, unit, :] + x[f, b, :]``, and the child drawn by Gumbel-max
   from uniforms the caller supplies, so both paths consume the same random numbers and return the
@@ -86,7 +87,7 @@ def log_matmul_backward(x: Tensor, logw: Tensor, out: Tensor, grad: Tensor,
 
 
 class TritonLogMatmul(torch.autograd.Function):
-    """Fused triton forward of :func:`log_matmul`, exact torch backward."""
+    """Fused triton forward of :func:`log_matmul`; fused backward for shared weights."""
 
     @staticmethod
     def forward(ctx, x: Tensor, logw: Tensor) -> Tensor:  # type: ignore[override]
@@ -100,7 +101,16 @@ class TritonLogMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, logw, out = ctx.saved_tensors
-        return log_matmul_backward(x, logw, out, grad, tuple(ctx.needs_input_grad[:2]))
+        needs = tuple(ctx.needs_input_grad[:2])
+        if logw.dim() == 3 and not torch.is_grad_enabled():
+            # fused: no (F, B, D) / (F, K, D) exponentials or (F, B, K) scales are written.
+            # Under create_graph (double backward) the differentiable torch math runs instead.
+            from circuits.kernels import _triton
+
+            x_max, w_max = _finite_max(x).squeeze(-1), _finite_max(logw).squeeze(-1)
+            return _triton.lse_matmul_shared_backward(x, logw, out, grad.contiguous(), x_max,
+                                                      w_max, needs)
+        return log_matmul_backward(x, logw, out, grad, needs)
 
 
 def log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = None) -> Tensor:
