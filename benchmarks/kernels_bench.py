@@ -14,7 +14,7 @@ The head case times what one speculative round asks of a BTree n=16 r=32 head ov
 (per-row logits ``(1, 16, 32, 259)``): the input statistics (log-normalisers and the
 log-probabilities of 16 tokens; torch builds the log-softmax table), the prefix-conditional
 mixture (16 evidence rows), and the whole head part of a round (``log_parameters``, conditional
-sampling of the draft, exact prefix conditionals) on each backend.
+sampling of the draft, the exact prefix conditionals of that draft) on each backend.
 
 On a machine without CUDA the triton kernels can only run in triton's (very slow) interpreter,
 which says nothing about GPU speed: the torch timings are reported and the triton column says
@@ -156,7 +156,7 @@ def head_operations(device: torch.device, dtype: torch.dtype, gen: torch.Generat
                 prepared = compiled.log_parameters(params)
                 compiled.conditional_sample(evidence[:1], observed,
                                             torch.Generator(device).manual_seed(0), prepared)
-                return compiled.log_prefix_conditionals(evidence, None, prepared.expand(rows))
+                return compiled.log_prefix_conditionals(evidence[:1], None, prepared)
         return call
 
     return {"input stats": stats,
