@@ -1,6 +1,10 @@
 """Speculative decoding with circuit heads on a random-weight byte-level Llama: where time goes.
 
-Run ``python -m benchmarks.decoder_bench [--quick] [--out PATH] [--threads N]``.
+Run ``python -m benchmarks.decoder_bench [--quick] [--out PATH] [--threads N] [--device D]
+[--kernels auto|torch|triton]``. On a CUDA machine, ``--device cuda`` times the same rounds on the
+GPU (synchronised) with the kernel backend chosen by ``--kernels`` (``auto``: triton when
+importable); run it once with ``--kernels torch`` and once with ``--kernels triton`` to compare
+the end-to-end round time of the two paths.
 
 Backbone: a byte-level Llama built from a config with random weights (4 layers, hidden 256,
 8 heads, intermediate 688, vocab 260: the planned embedded size; its parameter count is
@@ -55,6 +59,7 @@ from transformers import LlamaForCausalLM
 
 from benchmarks.spec_tools import ForcedAcceptance
 from circuits.compiled.circuit import LogParameters
+from circuits.kernels import KernelBackend, resolve_backend, use_backend
 from circuits_llm import data
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoder import (
@@ -98,12 +103,15 @@ class BenchConfig:
     threads: int = 2
     seed: int = 0
     profile: bool = True
+    device: str = "cpu"
+    kernels: str = "auto"
 
     @classmethod
-    def quick(cls, threads: int = 2) -> BenchConfig:
+    def quick(cls, threads: int = 2, device: str = "cpu", kernels: str = "auto") -> BenchConfig:
         """The ``--quick`` run (< 90 s): FF and BTree, n=16, LEAN, short decodes."""
         return cls(architectures=("ff", "btree"), windows=(16,), variants=("lean",),
-                   new_tokens=16, repeats=1, timing_rounds=5, threads=threads)
+                   new_tokens=16, repeats=1, timing_rounds=5, threads=threads, device=device,
+                   kernels=kernels)
 
 
 def build_model(config: BenchConfig) -> LlamaForCausalLM:
@@ -114,7 +122,17 @@ def build_model(config: BenchConfig) -> LlamaForCausalLM:
                        intermediate_size=config.intermediate_size, max_positions=2048)
     llama = shape.config()  # the embedded model's architecture (tied embeddings, specials)
     llama.vocab_size = config.vocab_size
-    return LlamaForCausalLM(llama).eval()
+    return LlamaForCausalLM(llama).eval().to(config.device)
+
+
+def _synchronize() -> None:
+    """Wait for queued CUDA work (timings of asynchronous launches are meaningless otherwise)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _generator(device: torch.device | str, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -128,8 +146,10 @@ def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int
             fn()
         for _ in range(rounds):
             for name, fn in candidates.items():
+                _synchronize()
                 start = time.perf_counter()
                 fn()
+                _synchronize()
                 samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 
@@ -149,7 +169,7 @@ def backbone_timings(backbone: HFBackbone, windows: tuple[int, ...], rounds: int
 
     The backbone must hold the context already; it is left as it was.
     """
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(0)  # token ids: drawn on the CPU, moved by extend
     candidates = {f"verify_{n}": _block_step(backbone, n, generator) for n in windows}
     candidates["ar_step"] = _block_step(backbone, 1, generator)
     return interleaved_medians(candidates, rounds)
@@ -188,11 +208,11 @@ def head_timings(head: MTPHead, backbone: HFBackbone, hidden: Tensor, c: int,
     Timing the head next to the backbone calls (round-robin, same seconds of machine load) makes
     the head/verify ratio robust to load drift. ``backbone`` must hold the context.
     """
-    generator = torch.Generator().manual_seed(0)
+    tokens = torch.Generator().manual_seed(0)
     candidates = {
-        **round_phases(head, hidden, c, generator),
-        "verify": _block_step(backbone, head.window, generator),
-        "ar_step": _block_step(backbone, 1, generator),
+        **round_phases(head, hidden, c, _generator(hidden.device, 0)),
+        "verify": _block_step(backbone, head.window, tokens),
+        "ar_step": _block_step(backbone, 1, tokens),
     }
     return dict(interleaved_medians(candidates, rounds))
 
@@ -206,7 +226,7 @@ def profile_phases(head: MTPHead, hidden: Tensor, c: int, calls: int = 5,
     """
     from torch.profiler import ProfilerActivity, profile
 
-    phases = round_phases(head, hidden, c, torch.Generator().manual_seed(0))
+    phases = round_phases(head, hidden, c, _generator(hidden.device, 0))
     del phases["draft_greedy"]
     result: dict[str, dict[str, Any]] = {}
     for name, fn in phases.items():
@@ -245,7 +265,7 @@ def decode_block(backbone: HFBackbone, head: MTPHead, prompt: list[int], config:
     runs: dict[str, list[Any]] = {name: [] for name in decoders}
     for repeat in range(config.repeats):
         for name, decoder in decoders.items():
-            generator = torch.Generator().manual_seed(config.seed + repeat)
+            generator = _generator(config.device, config.seed + repeat)
             runs[name].append(decoder.generate(prompt, config.new_tokens, temperature,
                                                generator=generator))
     out: dict[str, Any] = {}
@@ -273,9 +293,18 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every measurement of ``config``; returns the JSON-ready result."""
+    """Run every measurement of ``config`` under its kernel backend; the JSON-ready result."""
+    with use_backend(config.kernels):
+        return _run_benchmark(config, log)
+
+
+def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     machine = machine_info(config.threads)
+    machine["device"] = config.device if config.device == "cpu" else \
+        f"{config.device}: {torch.cuda.get_device_name(torch.device(config.device))}"
+    probe = torch.zeros(1, device=config.device)
+    machine["kernels"] = resolve_backend(probe).value  # what actually runs, not what was asked
     model = build_model(config)
     backbone = HFBackbone(model)
     prompt = [int(t) for t in data.evaluation_prompts(1, config.prompt_tokens)[0].tolist()]
@@ -293,7 +322,7 @@ def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print) -> di
                 rank = 1 if architecture == "ff" else config.rank
                 head = MTPHead.from_name(architecture, window, rank, config.hidden_size,
                                          config.vocab_size, variant, lm_head, seed=config.seed)
-                head.eval()
+                head.eval().to(config.device)
                 backbone.reset()
                 with torch.no_grad():
                     backbone.extend(torch.tensor([prompt[:-1]]))
@@ -309,7 +338,8 @@ def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print) -> di
                     "decode": {mode: decode_block(backbone, head, prompt, config, mode == "greedy")
                                for mode in ("greedy", "sampling")},
                 }
-                if config.profile and profile is None and architecture == "btree" \
+                if config.profile and config.device == "cpu" and profile is None \
+                        and architecture == "btree" \
                         and window == max(config.windows):
                     profile = {"head": f"btree n={window} r={rank} {variant}",
                                "phases": profile_phases(head, hidden, prompt[-1])}
@@ -414,10 +444,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="FF and BTree n=16 LEAN only (< 90 s)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    parser.add_argument("--kernels", default="auto", choices=[b.value for b in KernelBackend],
+                        help="kernel backend of the circuit queries (default auto)")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
-    config = BenchConfig.quick(args.threads) if args.quick else BenchConfig(threads=args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+    options = {"threads": args.threads, "device": args.device, "kernels": args.kernels}
+    config = BenchConfig.quick(**options) if args.quick else BenchConfig(**options)
     start = time.perf_counter()
     result = run_benchmark(config)
     result["wall_s"] = time.perf_counter() - start

@@ -74,3 +74,20 @@ def test_forced_acceptance_accepts_every_draft() -> None:
     result = decoder.generate(list(range(5)), 9, temperature=1.0,
                               generator=torch.Generator().manual_seed(0))
     assert result.summary.rounds == 3 and result.summary.acceptance_rate == 1.0
+
+
+def test_kernel_backend_is_recorded_and_an_impossible_one_is_refused() -> None:
+    import dataclasses
+
+    import pytest
+
+    from circuits import kernels
+
+    small = dataclasses.replace(TINY, architectures=("ff",), variants=("lean",), profile=False,
+                                kernels="torch")
+    result = run_benchmark(small, log=lambda _line: None)
+    assert result["machine"]["kernels"] == "torch" and result["machine"]["device"] == "cpu"
+    assert result["config"]["kernels"] == "torch"
+    if not kernels.interpreter_usable():  # triton on CPU tensors needs TRITON_INTERPRET=1
+        with pytest.raises(kernels.KernelBackendError, match="CPU"):
+            run_benchmark(dataclasses.replace(small, kernels="triton"), log=lambda _line: None)
