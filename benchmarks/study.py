@@ -226,7 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--circuit-seconds", type=float, default=StudySettings.circuit_seconds)
     parser.add_argument("--prompts", type=int, default=StudySettings.prompts)
     parser.add_argument("--new-tokens", type=int, default=StudySettings.new_tokens)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1, as the demo: the small model's ops gain "
+                             "little from a second thread on a shared 2-core machine)")
     args = parser.parse_args(argv)
+    if min(args.threads, args.prompts, args.new_tokens) < 1:
+        parser.error("--threads, --prompts and --new-tokens must be >= 1")
+    torch.set_num_threads(args.threads)
     settings = StudySettings(ff_seconds=args.ff_seconds, circuit_seconds=args.circuit_seconds,
                              prompts=args.prompts, new_tokens=args.new_tokens)
     return run(args.grid, args.phase, args.out, args.heads, settings)
