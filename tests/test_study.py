@@ -13,20 +13,21 @@ def test_paper_grid_is_tables_6_and_7() -> None:
     cells = study.cells(study.Grid.PAPER)
     assert [(c.window, c.lora_layers) for c in cells] == [(8, 0), (16, 0), (8, 1), (16, 1),
                                                           (8, 2), (16, 2)]
-    assert sum(len(c.heads) for c in cells) == 18
-    assert {h.name for h in cells[0].heads} == {"ff", "cp-r8", "cp-r32", "hmm", "btree"}
+    assert sum(len(c.heads) for c in cells) == 20
+    assert {h.name for h in cells[0].heads} == {"ff", "cp-r8", "cp-r32", "hmm", "btree-r8",
+                                                "btree"}
     assert all({h.name for h in c.heads} == {"ff", "btree"} for c in cells if c.lora_layers)
-    assert sum(len(c.heads) for c in study.cells(study.Grid.FULL)) == 30
+    assert sum(len(c.heads) for c in study.cells(study.Grid.FULL)) == 36
 
 
 def test_head_training_configs_follow_the_cell() -> None:
     cell = study.Cell(16, 2, study.ALL_HEADS)
     configs = {spec.name: study.head_training(cell, spec) for spec in cell.heads}
     assert {name: c.rank for name, c in configs.items()} == {
-        "ff": 1, "cp-r8": 8, "cp-r32": 32, "hmm": 32, "btree": 32}
+        "ff": 1, "cp-r8": 8, "cp-r32": 32, "hmm": 32, "btree-r8": 8, "btree": 32}
     assert all(c.window == 16 and c.lora_layers == 2 for c in configs.values())
     settings = study.StudySettings(ff_seconds=3.0, circuit_seconds=7.0)
-    assert settings.budget(study.ALL_HEADS[0]) == 3.0 and settings.budget(study.ALL_HEADS[4]) == 7.0
+    assert settings.budget(study.ALL_HEADS[0]) == 3.0 and settings.budget(study.ALL_HEADS[5]) == 7.0
 
 
 def row(decoder: str, mode: DecodeMode, throughput: float) -> DecoderRow:
