@@ -154,9 +154,10 @@ def decode_cell(loaded: demo.LoadedModel, cell: Cell, ready: list[tuple[HeadSpec
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
-    """One line per (mode, n, k, decoder): the paper's columns plus speed-ups and training steps."""
-    lines = ["| mode | n | k | decoder | params | train steps | mu_lat (ms) | mu_acc | bytes/s "
-             "| x AR | x FF |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One line per (mode, n, k, decoder): the paper's columns, speed-ups, and the head's training
+    (steps, validation bits per byte averaged over the window positions)."""
+    lines = ["| mode | n | k | decoder | params | train steps | val bits | mu_lat (ms) | mu_acc "
+             "| bytes/s | x AR | x FF |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode in DecodeMode:
         for record in records:
             rows = [DecoderRow.from_json(row) for row in record["rows"]]
@@ -165,9 +166,11 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
                     continue
                 head = record["heads"].get(row.decoder, {})
                 params = f"{head['parameters'] / 1e6:.2f}M" if head else "-"
+                bits = head.get("validation_bits_after")
                 lines.append(
                     f"| {mode.value} | {record['window']} | {record['lora_layers']} | "
                     f"{row.decoder} | {params} | {head.get('steps', '-')} | "
+                    f"{'-' if bits is None else format(bits, '.2f')} | "
                     f"{row.mean_latency_s * 1e3:.2f} | {row.tokens_per_round:.2f} | "
                     f"{row.throughput:.1f} | {rep._fmt(row.speedup_vs_ar, '.2f')} | "
                     f"{rep._fmt(row.speedup_vs_ff, '.2f')} |")

@@ -42,10 +42,13 @@ def test_markdown_table_has_one_line_per_mode_and_decoder() -> None:
             for i, name in enumerate(("autoregressive", "ff", "btree"))]
     record = {"window": 8, "lora_layers": 1, "rows": [r.to_json() for r in rows],
               "heads": {"ff": {"parameters": 30000, "steps": 12},
-                        "btree": {"parameters": 2_700_000, "steps": 5}}}
+                        "btree": {"parameters": 2_700_000, "steps": 5,
+                                  "validation_bits_after": 4.123}}}
     lines = study.markdown_table([record]).splitlines()
     assert len(lines) == 2 + 6
-    assert "| greedy | 8 | 1 | btree | 2.70M | 5 | 10.00 | 2.00 | 102.0 | 1.02 | - |" in lines
+    assert "| greedy | 8 | 1 | btree | 2.70M | 5 | 4.12 | 10.00 | 2.00 | 102.0 | 1.02 | - |" in lines
+    assert any(line.startswith("| greedy | 8 | 1 | autoregressive | - | - | - | 10.00 |")
+               for line in lines)
 
 
 def test_kernels_bench_head_case_runs_on_the_torch_path() -> None:
