@@ -177,16 +177,61 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+HEAD_COLORS = {rep.BASELINE: "#555555", "ff": "#1f77b4", "cp-r8": "#9ecae1", "cp-r32": "#2ca02c",
+               "hmm": "#9467bd", "btree-r8": "#ff9896", "btree": "#d62728"}
+WINDOW_MARKERS = {8: "o", 16: "^"}
+LORA_SIZES = {0: 70, 1: 120, 2: 180}
+
+
 def plot(records: list[dict[str, Any]], path: Path) -> None:
-    """Accepted length vs latency of every sampling row, named ``head nN kK``."""
-    rows = []
-    for record in records:
-        tag = f" n{record['window']} k{record['lora_layers']}"
-        for row in map(DecoderRow.from_json, record["rows"]):
-            if row.mode is DecodeMode.SAMPLING and row.decoder != rep.BASELINE:
-                rows.append(replace(row, decoder=row.decoder + tag))
-    if rows:
-        rep.write_tradeoff_plot(rows, path, "study, sampling: accepted length vs latency per round")
+    """Accepted length vs latency per round, one panel per mode: colour = head, marker = window
+    (circle n=8, triangle n=16), size = LoRA layers (larger = more); dotted iso-throughput lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.lines import Line2D
+
+    points = [(record, DecoderRow.from_json(row)) for record in records for row in record["rows"]]
+    if not points:
+        return
+    x_max = max(row.mean_latency_s for _, row in points) * 1e3 * 1.1
+    y_max = max(row.tokens_per_round for _, row in points) * 1.15
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), dpi=120, sharey=True)
+    try:
+        for ax, mode in zip(axes, DecodeMode, strict=True):
+            for level in rep.iso_levels(row.throughput for _, row in points):
+                ax.plot([0, x_max], [0, level * x_max / 1e3], ls=":", lw=0.8, color="grey")
+                ax.annotate(f"{level:.0f} B/s", (x_max, level * x_max / 1e3), fontsize=7,
+                            color="grey", ha="right", va="bottom", annotation_clip=True)
+            for record, row in points:
+                if row.mode is not mode:
+                    continue
+                ax.scatter(row.mean_latency_s * 1e3, row.tokens_per_round,
+                           s=LORA_SIZES.get(record["lora_layers"], 200),
+                           marker=WINDOW_MARKERS.get(record["window"], "s"),
+                           color=HEAD_COLORS.get(row.decoder, "black"), edgecolors="black",
+                           linewidths=0.5, alpha=0.85, zorder=3)
+            ax.set_xlim(0, x_max)
+            ax.set_ylim(0, y_max)
+            ax.set_title(mode.value, fontsize=10)
+            ax.set_xlabel("mean latency per round (ms)")
+            ax.grid(alpha=0.25)
+        axes[0].set_ylabel("mean accepted length (tokens per round)")
+        handles = [Line2D([], [], ls="", marker="s", color=color, label=name)
+                   for name, color in HEAD_COLORS.items()]
+        handles += [Line2D([], [], ls="", marker=marker, color="white", markeredgecolor="black",
+                           label=f"n={window}") for window, marker in WINDOW_MARKERS.items()]
+        handles += [Line2D([], [], ls="", marker="o", color="white", markeredgecolor="black",
+                           markersize=size ** 0.5 / 1.3, label=f"k={k} LoRA")
+                    for k, size in LORA_SIZES.items()]
+        fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7.5,
+                   frameon=False)
+        fig.suptitle("head study on the embedded model: accepted length vs latency per round "
+                     "(dotted: iso-throughput; up-left is faster)", fontsize=9.5)
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        rep.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySettings) -> int:
@@ -198,7 +243,7 @@ def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySetting
     records = []
     for cell in cells(grid):
         done = cell_dir / f"{cell.key}.json"
-        if done.is_file() and phase is not Phase.TRAIN:
+        if done.is_file() and phase is not Phase.TRAIN:  # decoded earlier: reuse
             records.append(json.loads(done.read_text()))
             log(f"[{cell.key}] done earlier: {done}")
             continue
