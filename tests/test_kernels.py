@@ -25,6 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
+from triton_helpers import chi_square_p, lower_to_cuda_ir
 
 import circuits
 from circuits import kernels
@@ -341,18 +342,6 @@ def test_triton_sampling_step_gives_the_torch_choices(case: tuple, per_row: bool
     assert torch.equal(got, want)
 
 
-def chi_square_p(choices: Tensor, probs: Tensor) -> float:
-    """p-value of Pearson's chi-square test of ``choices`` against ``probs`` (zero cells: 0 counts)."""
-    counts = torch.bincount(choices, minlength=probs.numel()).double()
-    support = probs > 0
-    if (counts[~support] > 0).any():
-        return 0.0
-    expected = probs[support] * choices.numel()
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    df = torch.tensor((int(support.sum()) - 1) / 2.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, stat / 2))
-
-
 @interpreted
 def test_triton_sampling_step_follows_softmax_and_rejects_a_biased_control() -> None:
     draws = 6000
@@ -401,17 +390,9 @@ def test_triton_compiled_circuit_same_values_gradients_and_samples() -> None:
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
 def test_kernels_lower_to_triton_ir_for_a_cuda_target(dtype: str) -> None:
     """The GPU front end (type checks, dot shapes) accepts every kernel, with no GPU needed."""
-    ir_module = pytest.importorskip("triton._C.libtriton").ir
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-
+    pytest.importorskip("triton._C.libtriton")
     from circuits.kernels import _triton
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({})
     data = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
     choice = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "u_ptr": "*fp64", "unit_ptr": "*i64",
               "out_ptr": "*i64"}
@@ -423,16 +404,7 @@ def test_kernels_lower_to_triton_ir_for_a_cuda_target(dtype: str) -> None:
              (_triton._lse_matmul_grad_x_kernel, grads, {"BLOCK_B": 64, "BLOCK_K": 64, "BLOCK_D": 16}),
              (_triton._lse_matmul_grad_w_kernel, grads, {"BLOCK_B": 64, "BLOCK_K": 64, "BLOCK_D": 16})]
     for fn, pointers, constants in cases:
-        jitted = triton.jit(fn)
-        signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
-                     for name in jitted.arg_names}
-        context = ir_module.context()
-        ir_module.load_dialects(context)
-        backend.load_dialects(context)
-        module = ASTSource(jitted, signature, constants).make_ir(
-            target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-            context)
-        text = str(module)
+        text = lower_to_cuda_ir(fn, pointers, constants)
         assert f"tt.func public @{fn.__name__}" in text
         assert ("tt.dot" in text) == (fn not in (_triton._lse_matvec_rows_kernel,
                                                  _triton._gumbel_sum_choice_kernel))

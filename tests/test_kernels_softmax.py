@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
+from triton_helpers import chi_square_p, lower_to_cuda_ir
 
 import circuits
 from circuits import kernels
@@ -247,18 +248,6 @@ def test_triton_softmax_mixture_matches_torch(case: tuple, with_lse: bool,
                                rtol=tolerance(dtype), atol=tolerance(dtype))
 
 
-def chi_square_p(choices: Tensor, probs: Tensor) -> float:
-    """p-value of Pearson's chi-square test of ``choices`` against ``probs``."""
-    counts = torch.bincount(choices, minlength=probs.numel()).double()
-    support = probs > 0
-    if (counts[~support] > 0).any():
-        return 0.0
-    expected = probs[support] * choices.numel()
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    df = torch.tensor((int(support.sum()) - 1) / 2.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, stat / 2))
-
-
 @interpreted
 def test_triton_draws_follow_the_softmax_and_reject_a_biased_control() -> None:
     draws = 6000
@@ -296,17 +285,9 @@ def test_triton_lazy_round_queries_equal_the_torch_round(name: str) -> None:
 @pytest.mark.skipif(IN_INTERPRETER, reason="lowering needs the compiler, not the interpreter")
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
 def test_softmax_kernels_lower_to_triton_ir_for_a_cuda_target(dtype: str) -> None:
-    ir_module = pytest.importorskip("triton._C.libtriton").ir
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-
+    pytest.importorskip("triton._C.libtriton")
     from circuits.kernels import _triton_softmax
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({})
     stats = {"x_ptr": f"*{dtype}", "tok_ptr": "*i64", "u_ptr": "*fp64", "lse_ptr": f"*{dtype}",
              "logp_ptr": f"*{dtype}", "draw_ptr": "*i64", "draw_logp_ptr": f"*{dtype}"}
     mixture = {"w_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "lse_ptr": f"*{dtype}",
@@ -317,15 +298,6 @@ def test_softmax_kernels_lower_to_triton_ir_for_a_cuda_target(dtype: str) -> Non
              (_triton_softmax._softmax_mixture_kernel, mixture,
               {"HAS_LSE": True, "BLOCK_B": 16, "BLOCK_K": 32, "BLOCK_C": 128})]
     for fn, pointers, constants in cases:
-        jitted = triton.jit(fn)
-        signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
-                     for name in jitted.arg_names}
-        context = ir_module.context()
-        ir_module.load_dialects(context)
-        backend.load_dialects(context)
-        module = ASTSource(jitted, signature, constants).make_ir(
-            target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-            context)
-        text = str(module)
+        text = lower_to_cuda_ir(fn, pointers, constants)
         assert f"tt.func public @{fn.__name__}" in text
         assert ("tt.dot" in text) == (fn is _triton_softmax._softmax_mixture_kernel)
