@@ -201,8 +201,10 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         for ax, mode in zip(axes, DecodeMode, strict=True):
             for level in rep.iso_levels(row.throughput for _, row in points):
                 ax.plot([0, x_max], [0, level * x_max / 1e3], ls=":", lw=0.8, color="grey")
-                ax.annotate(f"{level:.0f} B/s", (x_max, level * x_max / 1e3), fontsize=7,
-                            color="grey", ha="right", va="bottom", annotation_clip=True)
+                # label where the line leaves the panel: the top edge, else the right edge
+                x_end = min(x_max, y_max / level * 1e3)
+                ax.annotate(f"{level:.0f} B/s", (x_end, level * x_end / 1e3), fontsize=7,
+                            color="grey", ha="right", va="top")
             for record, row in points:
                 if row.mode is not mode:
                     continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from benchmarks import kernels_bench, study
@@ -37,7 +39,7 @@ def row(decoder: str, mode: DecodeMode, throughput: float) -> DecoderRow:
                       speedup_vs_ar=throughput / 100.0, speedup_vs_ff=None)
 
 
-def test_markdown_table_has_one_line_per_mode_and_decoder() -> None:
+def test_markdown_table_and_plot(tmp_path: Path) -> None:
     rows = [row(name, mode, 100.0 + i) for mode in DecodeMode
             for i, name in enumerate(("autoregressive", "ff", "btree"))]
     record = {"window": 8, "lora_layers": 1, "rows": [r.to_json() for r in rows],
@@ -49,6 +51,8 @@ def test_markdown_table_has_one_line_per_mode_and_decoder() -> None:
     assert "| greedy | 8 | 1 | btree | 2.70M | 5 | 4.12 | 10.00 | 2.00 | 102.0 | 1.02 | - |" in lines
     assert any(line.startswith("| greedy | 8 | 1 | autoregressive | - | - | - | 10.00 |")
                for line in lines)
+    study.plot([record], tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_kernels_bench_head_case_runs_on_the_torch_path() -> None:
