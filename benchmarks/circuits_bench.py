@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +43,7 @@ if __name__ == "__main__":  # before torch (and its OpenMP runtime) is loaded
 import torch
 
 from benchmarks import cirkit_bridge
-from benchmarks.timing import ModuleTimer, Timing, interleaved
+from benchmarks.timing import ModuleTimer, Timing, interleaved, write_json_atomic
 from circuits import Circuit, CompiledCircuit, compile
 from circuits.compiled.circuit import Trace
 from circuits.compiled.layers import FoldedInput, FoldedSum
@@ -164,21 +162,6 @@ def machine_info() -> dict[str, Any]:
             "logical_cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "note": "2 CPU cores shared with other jobs: only the ratios of one run are meaningful"}
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=False)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _ratio(numerator: float, denominator: float) -> float:

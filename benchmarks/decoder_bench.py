@@ -40,12 +40,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +56,7 @@ from torch import Tensor
 from transformers import LlamaForCausalLM
 
 from benchmarks.spec_tools import ForcedAcceptance
+from benchmarks.timing import write_json_atomic
 from circuits.compiled.circuit import LogParameters
 from circuits.kernels import KernelBackend, resolve_backend, use_backend
 from circuits_llm import data
@@ -425,20 +424,6 @@ def format_tables(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_json(result: dict[str, Any], path: Path) -> None:
-    """Write ``result`` to ``path`` atomically (temporary file + ``os.replace``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(result, stream, indent=2, sort_keys=True)
-            stream.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="FF and BTree n=16 LEAN only (< 90 s)")
@@ -458,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_benchmark(config)
     result["wall_s"] = time.perf_counter() - start
     print(format_tables(result))
-    write_json(result, args.out)
+    write_json_atomic(args.out, result, sort_keys=True)
     print(f"\nwrote {args.out} ({result['wall_s']:.0f} s)")
     return 0
 

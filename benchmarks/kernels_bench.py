@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.timing import write_json_atomic
 from circuits import compile
 from circuits.compiled.layers import FoldedSum
 from circuits.kernels import (
@@ -263,21 +262,6 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{row['case']:<22} {row['op']:<30} {shape:<22} {row['torch_ms']:>10.3f} "
                      f"{triton_ms:>10} {speedup:>8} {diff:>10}")
     return "\n".join(lines)
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON through a temporary file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, indent=2)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:

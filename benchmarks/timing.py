@@ -3,15 +3,21 @@
 On a machine shared with other jobs absolute times drift from one second to the next, so the
 benchmarks never compare numbers taken minutes apart: :func:`interleaved` runs every candidate
 once per round, round after round, and reports the median of each candidate's rounds. Ratios of
-those medians are what the benchmark reports.
+those medians are what the benchmark reports. :func:`write_json_atomic` is how every benchmark
+saves its result file.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -112,3 +118,19 @@ class ModuleTimer:
 def median(values: list[float]) -> float:
     """The median of a non-empty list."""
     return statistics.median(values)
+
+
+def write_json_atomic(path: Path, payload: Mapping[str, Any], sort_keys: bool = False) -> None:
+    """Write ``payload`` as indented JSON to ``path`` through a temporary file in the same folder
+    and ``os.replace``: a crash leaves the previous file (or none), never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(payload, stream, indent=2, sort_keys=sort_keys)
+            stream.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

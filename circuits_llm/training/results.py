@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from circuits_llm.backbone import AdapterMismatchError, HFBackbone
 from circuits_llm.backbone._arch import config_fingerprint
 from circuits_llm.checkpoint import CheckpointError
 from circuits_llm.heads import HeadConfigError, MTPHead
+from circuits_llm.report import atomic_write
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 
 RECORD_FILE = "training.json"
@@ -114,16 +113,9 @@ class HeadTrainingResult:
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as JSON to ``path`` via a temporary file and ``os.replace``."""
-    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(payload, stream, indent=2)
-            stream.write("\n")
-        os.replace(name, path)
-    except BaseException:
-        Path(name).unlink(missing_ok=True)
-        raise
+    """Write ``payload`` as indented JSON to ``path`` atomically (:func:`report.atomic_write`)."""
+    text = json.dumps(payload, indent=2) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def export_run(run_dir: Path, head: MTPHead, backbone: HFBackbone, record: dict[str, Any]) -> None:
