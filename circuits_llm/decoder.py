@@ -35,7 +35,13 @@ from circuits.compiled.circuit import LogParameters
 from circuits.compiled.queries import log_prefix_conditionals
 from circuits.compiled.sampling import conditional_sample, map_state
 from circuits_llm.metrics import DecodeResult, RoundKind, RoundStats, summarize
-from circuits_llm.protocols import Backbone, BackboneStep, DraftHead
+from circuits_llm.protocols import (
+    Backbone,
+    BackboneStep,
+    DraftHead,
+    backbone_problem,
+    draft_head_problem,
+)
 from circuits_llm.warping import DecoderError, SamplingConfig, sample_token, target_probs
 
 __all__ = [
@@ -206,8 +212,9 @@ def _now(device: torch.device) -> float:
 
 def _wrap_model(model: object, lora_layers: int) -> Backbone:
     """An HF causal LM -> HFBackbone; anything else that is not a Backbone is an error."""
-    if isinstance(model, Backbone):
-        return model
+    problem = backbone_problem(model)
+    if problem is None:
+        return model  # type: ignore[return-value]
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -216,7 +223,7 @@ def _wrap_model(model: object, lora_layers: int) -> Backbone:
         from circuits_llm.backbone import HFBackbone
         return HFBackbone(model, lora_layers=lora_layers)
     raise DecoderError(f"backbone must implement circuits_llm.protocols.Backbone or be a Hugging "
-                       f"Face PreTrainedModel, got {type(model).__name__}")
+                       f"Face PreTrainedModel: {problem}")
 
 
 class AutoregressiveDecoder:
@@ -348,9 +355,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
                  policy: CorrectionPolicy = CorrectionPolicy.EXACT) -> None:
         self.backbone = _wrap_model(backbone, lora_layers)
-        if not isinstance(head, DraftHead):
-            raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead, got "
-                               f"{type(head).__name__}")
+        problem = draft_head_problem(head)
+        if problem is not None:
+            raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead: {problem}")
         if head.vocab_size != self.backbone.vocab_size:
             raise DecoderError(f"the head's vocab_size {head.vocab_size} differs from the "
                                f"backbone's {self.backbone.vocab_size}")

@@ -8,12 +8,18 @@
 
 Alignment (shared by training and decoding): the head applied to the hidden state after token
 ``x_t`` describes the window ``(x_{t+1}, ..., x_{t+window})``; variable 0 is ``x_{t+1}``.
+
+Both are static types only. Conformance at run time is :func:`backbone_problem` and
+:func:`draft_head_problem`: plain ``getattr`` checks that name what is missing. A structural
+``isinstance`` against a runtime-checkable Protocol cannot be used, because since Python 3.12 it
+reads attributes with ``inspect.getattr_static``, which does not see an ``nn.Module``'s
+submodules and parameters (they live in ``_modules`` and ``_parameters``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from torch import Tensor
 
@@ -33,7 +39,6 @@ class BackboneStep:
     draft_hidden: Tensor
 
 
-@runtime_checkable
 class Backbone(Protocol):
     """A causal LM with caches, seen by the decoder."""
 
@@ -58,7 +63,6 @@ class Backbone(Protocol):
         ...
 
 
-@runtime_checkable
 class DraftHead(Protocol):
     """Maps hidden states to circuit parameters for a window of future tokens."""
 
@@ -70,3 +74,52 @@ class DraftHead(Protocol):
     def __call__(self, hidden: Tensor) -> dict[str, Tensor]:
         """``hidden`` (B, d) -> external parameters of :attr:`circuit` with batch B."""
         ...
+
+
+#: The members the run-time checks below read: typed attributes, then methods.
+_BACKBONE_ATTRIBUTES: dict[str, type] = {"vocab_size": int, "hidden_size": int, "length": int}
+_BACKBONE_METHODS = ("reset", "extend", "crop")
+_DRAFT_HEAD_ATTRIBUTES: dict[str, type] = {"window": int, "vocab_size": int, "hidden_size": int,
+                                           "circuit": CompiledCircuit}
+_DRAFT_HEAD_METHODS = ("__call__",)
+
+
+def _problem(obj: object, attributes: dict[str, type], methods: tuple[str, ...],
+             contract: str) -> str | None:
+    """What ``obj`` lacks to meet ``contract``: every missing or mistyped member, or ``None``."""
+    missing: list[str] = []
+    wrong: list[str] = []
+    for name in (*attributes, *methods):
+        try:
+            value = getattr(obj, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        except Exception as error:  # a failing property is as good as missing: say why
+            wrong.append(f"{name} (reading it raised {type(error).__name__}: {error})")
+            continue
+        expected = attributes.get(name)
+        if expected is None:
+            if not callable(value):
+                wrong.append(f"{name} (not callable)")
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            wrong.append(f"{name} (a {expected.__name__} expected, got {type(value).__name__})")
+    if not missing and not wrong:
+        return None
+    parts = (["it has no " + ", ".join(missing)] if missing else []) + wrong
+    return f"{type(obj).__name__} does not implement {contract}: {'; '.join(parts)}"
+
+
+def backbone_problem(obj: object) -> str | None:
+    """Why ``obj`` is not a :class:`Backbone` (names each missing or mistyped member), or ``None``."""
+    return _problem(obj, _BACKBONE_ATTRIBUTES, _BACKBONE_METHODS, "circuits_llm.protocols.Backbone")
+
+
+def draft_head_problem(obj: object) -> str | None:
+    """Why ``obj`` is not a :class:`DraftHead` (names each missing or mistyped member), or ``None``.
+
+    Works for ``nn.Module`` heads on every Python version: ``getattr`` sees submodules such as
+    the compiled ``circuit``.
+    """
+    return _problem(obj, _DRAFT_HEAD_ATTRIBUTES, _DRAFT_HEAD_METHODS,
+                    "circuits_llm.protocols.DraftHead")

@@ -22,7 +22,7 @@ from circuits import (
 )
 from circuits.errors import InvalidInputError
 from circuits_llm.heads import HeadConfigError, HeadVariant, MTPHead, parameter_count
-from circuits_llm.protocols import DraftHead
+from circuits_llm.protocols import draft_head_problem
 
 ARCHITECTURES = ["ff", "cp", "hmm", "btree"]
 VARIANTS = [HeadVariant.FULL, HeadVariant.LEAN]
@@ -60,7 +60,7 @@ def all_windows(window: int, vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_outputs_cover_every_fold_with_batched_shapes(name: str, variant: HeadVariant) -> None:
     head = named(name, variant=variant)
-    assert isinstance(head, DraftHead)
+    assert draft_head_problem(head) is None
     assert (head.window, head.vocab_size, head.hidden_size) == (4, 5, 8)
     params = head(torch.randn(6, 8))
     shapes = head.circuit.parameter_shapes()
