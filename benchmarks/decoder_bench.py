@@ -1,8 +1,11 @@
 """Speculative decoding with circuit heads on a random-weight byte-level Llama: where time goes.
 
-Run ``python -m benchmarks.decoder_bench [--quick] [--out PATH] [--threads N] [--device D]
-[--kernels auto|torch|triton]``. On a CUDA machine, ``--device cuda`` times the same rounds on the
-GPU (synchronised) with the kernel backend chosen by ``--kernels`` (``auto``: triton when
+Run ``python -m benchmarks.decoder_bench [--quick] [--out PATH] [--threads N]
+[--device auto|cpu|cuda[:N]] [--kernels auto|torch|triton]``. ``--device`` defaults to ``cpu`` so
+that a plain run reproduces the recorded CPU numbers; the JSON records the device that actually
+ran (``config.device``, resolved: ``cuda:0`` rather than ``auto``; ``machine.device`` with the GPU
+name). On a CUDA machine, ``--device cuda`` (or ``auto``) times the same rounds on the GPU
+(synchronised) with the kernel backend chosen by ``--kernels`` (``auto``: triton when
 importable); run it once with ``--kernels torch`` and once with ``--kernels triton`` to compare
 the end-to-end round time of the two paths.
 
@@ -38,6 +41,7 @@ for each other (every op ~10x slower here under load 5), so use ``--threads 1`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
 import os
@@ -67,6 +71,7 @@ from circuits_llm.decoder import (
     draft_conditionals,
     draft_window,
 )
+from circuits_llm.devices import DeviceError, add_device_argument, describe_device, resolve_device
 from circuits_llm.heads import MTPHead
 from circuits_llm.metrics import DecodeSummary
 from circuits_llm.pretrain import ModelShape
@@ -83,7 +88,11 @@ PHASES = ("parameterise", "draft_sample", "draft_greedy", "conditionals", "verif
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Sizes and budgets of one benchmark run (defaults: the full run)."""
+    """Sizes and budgets of one benchmark run (defaults: the full run).
+
+    ``device`` takes any ``--device`` form (:mod:`circuits_llm.devices`); :func:`run_benchmark`
+    resolves it and records the resolved device (``"cpu"``, ``"cuda:0"``) in the result.
+    """
 
     hidden_size: int = 256
     layers: int = 4
@@ -292,16 +301,24 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every measurement of ``config`` under its kernel backend; the JSON-ready result."""
-    with use_backend(config.kernels):
+    """Run every measurement of ``config`` under its kernel backend; the JSON-ready result.
+
+    ``config.device`` is resolved first (``auto`` -> ``cuda:0`` or ``cpu``; a CUDA device this
+    machine lacks raises :class:`~circuits_llm.devices.DeviceError`), and the run uses and records
+    the resolved device. On CUDA that device is made current, so the timing synchronisations wait
+    for the GPU that does the work.
+    """
+    device = resolve_device(config.device)
+    config = dataclasses.replace(config, device=str(device))
+    current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with use_backend(config.kernels), current:
         return _run_benchmark(config, log)
 
 
 def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     machine = machine_info(config.threads)
-    machine["device"] = config.device if config.device == "cpu" else \
-        f"{config.device}: {torch.cuda.get_device_name(torch.device(config.device))}"
+    machine["device"] = describe_device(torch.device(config.device))
     probe = torch.zeros(1, device=config.device)
     machine["kernels"] = resolve_backend(probe).value  # what actually runs, not what was asked
     model = build_model(config)
@@ -429,15 +446,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="FF and BTree n=16 LEAN only (< 90 s)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    add_device_argument(parser, default="cpu",
+                        note="cpu by default so a plain run reproduces the recorded CPU numbers; the "
+                             "JSON records the resolved device.")
     parser.add_argument("--kernels", default="auto", choices=[b.value for b in KernelBackend],
                         help="kernel backend of the circuit queries (default auto)")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available on this machine")
-    options = {"threads": args.threads, "device": args.device, "kernels": args.kernels}
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        parser.error(str(error))
+    options = {"threads": args.threads, "device": str(device), "kernels": args.kernels}
     config = BenchConfig.quick(**options) if args.quick else BenchConfig(**options)
     start = time.perf_counter()
     result = run_benchmark(config)

@@ -1,6 +1,7 @@
 """The fused triton kernels (:mod:`circuits.kernels`) against the torch path, on the same shapes.
 
-Run ``python -m benchmarks.kernels_bench [--quick] [--out PATH]``.
+Run ``python -m benchmarks.kernels_bench [--quick] [--out PATH] [--device auto|cpu|cuda[:N]]``
+(``--device`` default ``auto``: CUDA when available, else the CPU).
 
 Shapes: every sum fold of BTree and HMM (n=16 variables, r=32 units, K=256 categories, batch
 256: the shapes :func:`circuits.compile` produces, one timing per distinct shape, summed over the
@@ -25,6 +26,7 @@ JSON (default ``benchmarks/results/kernels_bench.json``) with the device named.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import os
 import platform
@@ -50,6 +52,7 @@ from circuits.kernels import (
 )
 from circuits.kernels.softmax import softmax_mixture, softmax_stats
 from circuits.templates import btree, hmm
+from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels_bench.json"
@@ -268,10 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, a smaller large fold")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    report = run(args.quick, device, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        parser.error(str(error))
+    current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with current:  # triton launches on the current device: make it the one asked for
+        report = run(args.quick, device, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(report))
     write_json_atomic(args.out, report)
     print(f"\nwrote {args.out}")

@@ -1,6 +1,9 @@
 """The head study on the embedded model: the structure of the MTPC paper's Tables 5-7.
 
-Run ``python -m benchmarks.study [--grid paper|full] [--phase train|decode|all] [--out DIR]``.
+Run ``python -m benchmarks.study [--grid paper|full] [--phase train|decode|all] [--out DIR]
+[--device auto|cpu|cuda[:N]]``. ``--device`` (default ``cpu``, the device of the recorded study)
+is where the model and the heads train and decode; every cell records the resolved device in its
+``machine.device``, and ``study.json`` in ``device``.
 
 Every *cell* is a window ``n`` and a number ``k`` of LoRA draft layers. In each cell the heads
 are trained (or loaded from the study's head cache) on the embedded byte-level Llama with the
@@ -39,6 +42,7 @@ import torch
 from circuits_llm import demo
 from circuits_llm import report as rep
 from circuits_llm.data import evaluation_prompts
+from circuits_llm.devices import DeviceError, add_device_argument, describe_device, resolve_device
 from circuits_llm.report import DecodeMode, DecoderRow
 
 
@@ -132,7 +136,7 @@ def obtain(loaded: demo.LoadedModel, cell: Cell, head: HeadSpec, cache: Path,
 
 def decode_cell(loaded: demo.LoadedModel, cell: Cell, ready: list[tuple[HeadSpec, Any]],
                 settings: StudySettings) -> dict[str, Any]:
-    """Decode the prompts with AR and every head of the cell; the cell's JSON record."""
+    """Decode the prompts with AR and every head of the cell (on the model's device); its record."""
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
     prompts = evaluation_prompts(settings.prompts, settings.prompt_bytes)
@@ -150,7 +154,8 @@ def decode_cell(loaded: demo.LoadedModel, cell: Cell, ready: list[tuple[HeadSpec
     return {"window": cell.window, "lora_layers": cell.lora_layers, "heads": heads,
             "rows": [row.to_json() for row in rows],
             "greedy_identical": comparison.greedy_identical(),
-            "decode_wall_s": time.perf_counter() - start, "machine": demo.machine_info()}
+            "decode_wall_s": time.perf_counter() - start,
+            "machine": demo.machine_info(loaded.model.device)}
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
@@ -236,10 +241,14 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         plt.close(fig)
 
 
-def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySettings) -> int:
+def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySettings,
+        device: torch.device | None = None) -> int:
+    """Train (or load) and decode every cell of ``grid`` on ``device`` (None: the CPU)."""
     log = print
+    device = device if device is not None else torch.device("cpu")
     torch.manual_seed(settings.seed)
-    loaded = demo.load_model(demo.EMBEDDED)
+    loaded = demo.load_model(demo.EMBEDDED, device)
+    log(f"study on {describe_device(device)}")
     cell_dir = out / "cells"
     cell_dir.mkdir(parents=True, exist_ok=True)
     records = []
@@ -259,7 +268,7 @@ def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySetting
     if phase is Phase.TRAIN:
         return 0
     summary = {"grid": grid.value, "settings": settings.__dict__, "model": loaded.describe(),
-               "cells": records}
+               "device": describe_device(device), "cells": records}
     table = markdown_table(records)
     rep.atomic_write(out / "study.md", lambda tmp: tmp.write_text(table + "\n"))
     plot(records, out / "study-tradeoff.png")
@@ -281,13 +290,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1, as the demo: the small model's ops gain "
                              "little from a second thread on a shared 2-core machine)")
+    add_device_argument(parser, default="cpu",
+                        note="cpu by default: the recorded study (docs/results.md) ran there.")
     args = parser.parse_args(argv)
     if min(args.threads, args.prompts, args.new_tokens) < 1:
         parser.error("--threads, --prompts and --new-tokens must be >= 1")
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     settings = StudySettings(ff_seconds=args.ff_seconds, circuit_seconds=args.circuit_seconds,
                              prompts=args.prompts, new_tokens=args.new_tokens)
-    return run(args.grid, args.phase, args.out, args.heads, settings)
+    return run(args.grid, args.phase, args.out, args.heads, settings, device)
 
 
 if __name__ == "__main__":

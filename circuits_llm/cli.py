@@ -1,4 +1,7 @@
-"""The ``circuits-llm`` command line: pretrain, export-model (more subcommands join as they land)."""
+"""The ``circuits-llm`` command line: pretrain, export-model, train-head, demo, bench, generate.
+
+Every subcommand that runs a model takes ``--device auto|cpu|cuda[:N]`` (:mod:`circuits_llm.devices`).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +12,23 @@ from pathlib import Path
 
 import torch
 
+from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
+
+
+def _resolved(command: str, args: argparse.Namespace) -> torch.device | None:
+    """``args.device`` resolved, or None after printing the one-line error of ``command``."""
+    try:
+        return resolve_device(args.device)
+    except DeviceError as error:
+        print(f"circuits-llm {command}: error: {error}", file=sys.stderr)
+        return None
+
 
 def _pretrain(args: argparse.Namespace) -> int:
     from circuits_llm.pretrain import ModelShape, PretrainConfig, run_pretraining
+    device = _resolved("pretrain", args)
+    if device is None:
+        return 2
     torch.set_num_threads(args.threads)
     config = PretrainConfig(
         model=ModelShape(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
@@ -20,14 +37,18 @@ def _pretrain(args: argparse.Namespace) -> int:
         total_steps=args.total_steps, seed=args.seed, eval_every=args.eval_every,
         max_train_bytes=args.max_train_bytes)
     minutes = args.minutes
-    result = run_pretraining(config, args.run_dir, max_seconds=None if minutes is None else minutes * 60)
+    result = run_pretraining(config, args.run_dir, max_seconds=None if minutes is None else minutes * 60,
+                             device=device)
     print(json.dumps(result.__dict__, indent=2))
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
     from circuits_llm.pretrain import export_model
-    card = export_model(args.run_dir, args.out, test_windows=args.test_windows)
+    device = _resolved("export-model", args)
+    if device is None:
+        return 2
+    card = export_model(args.run_dir, args.out, test_windows=args.test_windows, device=device)
     card.pop("history", None)
     print(json.dumps(card, indent=2))
     return 0
@@ -51,12 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--max-train-bytes", type=int, default=None)
     pre.add_argument("--seed", type=int, default=0)
     pre.add_argument("--threads", type=int, default=2)
+    add_device_argument(pre, default="cpu", note="The embedded model's recipe was tuned on the CPU.")
     pre.set_defaults(run=_pretrain)
     exp = sub.add_parser("export-model", help="write the best pretraining checkpoint as an HF model")
     exp.add_argument("--run-dir", type=Path, default=Path("runs/pretrain"))
     exp.add_argument("--out", type=Path, default=Path(__file__).parent / "embedded" / "byte-llama")
     exp.add_argument("--test-windows", type=int, default=None,
                      help="limit the test measurement to this many 256-byte windows (default: all)")
+    add_device_argument(exp, default="cpu", note="Where the test measurement runs; the weights are "
+                        "written from the CPU either way.")
     exp.set_defaults(run=_export)
     from circuits_llm.training.cli import add_train_head_command
     add_train_head_command(sub)

@@ -2,7 +2,9 @@
 
 :func:`add_commands` registers them on the ``circuits-llm`` subparsers (:mod:`circuits_llm.cli`).
 Every input problem ends the command with one line ``circuits-llm <command>: error: ...`` on
-stderr and exit status 2 (argparse's convention), never a traceback.
+stderr and exit status 2 (argparse's convention), never a traceback. ``--device`` (default
+``auto``: CUDA when available) decides where the model, the heads, the prompts and the sampling
+generators live (:mod:`circuits_llm.devices`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from circuits_llm.demo import (
     run_comparison,
     training_config,
 )
+from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
 
 #: ``--head`` values that mean plain autoregressive decoding.
 AUTOREGRESSIVE_NAMES = ("ar", "none")
@@ -71,7 +74,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from circuits_llm.report import ReportError
     from circuits_llm.warping import DecoderError
     errors: list[type[BaseException]] = [DemoError, DecoderError, HeadConfigError, ReportError,
-                                         CircuitError, CheckpointError]
+                                         CircuitError, CheckpointError, DeviceError]
     try:
         from circuits_llm import training
         errors += [value for value in vars(training).values()
@@ -104,6 +107,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="torch threads (default 1: the small model's ops gain little from "
                              "more, and lose a lot when the cores are shared)")
     parser.add_argument("--seed", type=_non_negative_int, default=0, help="decoding seed")
+    add_device_argument(parser)
 
 
 def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
@@ -147,9 +151,10 @@ def _run_comparison(command: str, base: Callable[[bool], ComparisonConfig]
                     ) -> Callable[[argparse.Namespace], int]:
     def body(args: argparse.Namespace) -> int:
         config = comparison_config(args, base(args.quick))
+        device = resolve_device(args.device)
         run_comparison(config, args.model, args.out, args.cache_dir or default_cache_dir(),
                        command=command + (" --quick" if args.quick else ""), retrain=args.retrain,
-                       progress=not args.no_progress, show_sample=command == "demo")
+                       progress=not args.no_progress, show_sample=command == "demo", device=device)
         return 0
     return body
 
@@ -181,19 +186,21 @@ def _decoder_for(head: str, loaded: Any, cache: Path) -> tuple[Any, str]:
 
 def _generate(args: argparse.Namespace) -> int:
     from circuits_llm.data import SpecialToken, decode, encode
-    loaded = load_model(args.model)
+    device = resolve_device(args.device)
+    loaded = load_model(args.model, device)
     decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir())
     prompt = torch.cat([torch.tensor([int(SpecialToken.BOS)]), encode(args.prompt.encode())])
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
     result = decoder.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                               generator=generator)
     wall = time.perf_counter() - start
     print(args.prompt + decode(result.tokens) if args.echo else decode(result.tokens))
     s = result.summary
-    print(f"[{description}] {s.new_tokens} tokens in {wall:.2f} s ({s.throughput:.1f} bytes/s "
-          f"decoding), {s.rounds} rounds, {s.tokens_per_round:.2f} tokens/round, "
-          f"acceptance {s.acceptance_rate:.1%}, {s.mean_latency_s * 1e3:.2f} ms/round",
+    print(f"[{description} on {decoder.device}] {s.new_tokens} tokens in {wall:.2f} s "
+          f"({s.throughput:.1f} bytes/s decoding), {s.rounds} rounds, "
+          f"{s.tokens_per_round:.2f} tokens/round, acceptance {s.acceptance_rate:.1%}, "
+          f"{s.mean_latency_s * 1e3:.2f} ms/round",
           file=sys.stderr)
     return 0
 

@@ -2,7 +2,8 @@
 
 :func:`run_comparison` is what ``circuits-llm demo`` and ``circuits-llm bench`` run:
 
-1. load the model (the embedded byte-level Llama, or a Hugging Face model directory);
+1. load the model (the embedded byte-level Llama, or a Hugging Face model directory) onto the
+   requested device (``--device``; heads trained or loaded for it follow the model there);
 2. for each head (FF and BTree), load it from the head cache or train it there with
    :func:`circuits_llm.training.train_head`; the cache entry is keyed by the model's
    fingerprint (a SHA-256 of its config and weights) and the head's training configuration, so a
@@ -37,6 +38,7 @@ from tqdm import tqdm
 
 from circuits_llm import report as rep
 from circuits_llm.data import SpecialToken, decode, evaluation_prompts
+from circuits_llm.devices import describe_device
 from circuits_llm.metrics import DecodeResult, aggregate
 from circuits_llm.report import DecodeMode, DecoderRow
 
@@ -152,8 +154,12 @@ def model_fingerprint(model: Any) -> str:
     return digest.hexdigest()
 
 
-def load_model(spec: str | Path) -> LoadedModel:
-    """``"embedded"`` -> the packaged byte-level Llama; otherwise a local HF model directory."""
+def load_model(spec: str | Path, device: torch.device | None = None) -> LoadedModel:
+    """``"embedded"`` -> the packaged byte-level Llama; otherwise a local HF model directory.
+
+    The model is moved to ``device`` (None: left where it was loaded, the CPU). Its fingerprint
+    does not depend on the device, so heads cached on one device are found on another.
+    """
     from transformers.utils import logging as hf_logging
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the weight-loading bar is noise in a CLI
@@ -167,6 +173,8 @@ def load_model(spec: str | Path) -> LoadedModel:
         raise DemoError(f"--model {spec}: vocabulary of {vocab} ids is not byte-level (need bytes "
                         f"0..255 plus special ids up to {int(max(SpecialToken))})")
     source = EMBEDDED if str(spec) == EMBEDDED else str(Path(spec).resolve())
+    if device is not None:
+        model = model.to(device)
     return LoadedModel(model, source, model_fingerprint(model))
 
 
@@ -318,7 +326,8 @@ def compare_decoders(decoders: dict[str, Any], prompts: list[Tensor], new_tokens
                      temperature: float, seed: int, progress: bool = True) -> Comparison:
     """Decode every prompt with every decoder, greedy then sampling (seed ``seed + i``).
 
-    Each decoder first runs one short warm-up generation per mode (not recorded).
+    Each decoder first runs one short warm-up generation per mode (not recorded). The seeded
+    generators live on each decoder's device (sampling on CUDA needs a CUDA generator).
     """
     modes = {DecodeMode.GREEDY: 0.0, DecodeMode.SAMPLING: temperature}
     results: dict[DecodeMode, dict[str, list[DecodeResult]]] = {}
@@ -328,37 +337,51 @@ def compare_decoders(decoders: dict[str, Any], prompts: list[Tensor], new_tokens
         for mode, temp in modes.items():
             for decoder in decoders.values():
                 decoder.generate(prompts[0], min(8, new_tokens), temp,
-                                 generator=torch.Generator().manual_seed(seed))
+                                 generator=_generator(decoder, seed))
             results[mode] = {name: [] for name in decoders}
             for index, prompt in enumerate(prompts):
                 for name, decoder in decoders.items():
-                    generator = torch.Generator().manual_seed(seed + index)
+                    generator = _generator(decoder, seed + index)
                     results[mode][name].append(decoder.generate(prompt, new_tokens, temp,
                                                                 generator=generator))
                     bar.update(1)
     return Comparison(results)
 
 
-def machine_info() -> dict[str, Any]:
-    """Where the timings were taken (they mean little without it)."""
+def _generator(decoder: Any, seed: int) -> torch.Generator:
+    """A generator seeded with ``seed`` on the decoder's device (the CPU if it names none)."""
+    device = getattr(decoder, "device", None)
+    return torch.Generator(device=device if isinstance(device, torch.device) else "cpu"
+                           ).manual_seed(seed)
+
+
+def machine_info(device: torch.device | None = None) -> dict[str, Any]:
+    """Where the timings were taken (they mean little without it), with the device that ran."""
     import transformers
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"platform": platform.platform(), "python": sys.version.split()[0],
             "torch": torch.__version__, "transformers": transformers.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "load_average": list(load) if load else None}
+            "load_average": list(load) if load else None,
+            "device": describe_device(device if device is not None else torch.device("cpu"))}
 
 
 # ---------------------------------------------------------------------------- the run
 def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache: Path,
                    command: str, retrain: bool = False, progress: bool = True,
-                   show_sample: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train or load the heads, compare the decoders, print and write the report; returns it."""
+                   show_sample: bool = True, log: Callable[[str], None] = print,
+                   device: torch.device | None = None) -> dict[str, Any]:
+    """Train or load the heads, compare the decoders, print and write the report; returns it.
+
+    Everything runs on ``device`` (None: the CPU): the model, the heads trained or loaded for it,
+    and the decoders' tensors and generators; the report's ``machine.device`` records it.
+    """
     from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
     start = time.perf_counter()
-    loaded = load_model(model)
+    device = device if device is not None else torch.device("cpu")
+    loaded = load_model(model, device)
     log(f"model: {loaded.source} ({sum(p.numel() for p in loaded.model.parameters()):,} "
-        f"parameters, fingerprint {loaded.fingerprint[:12]})")
+        f"parameters, fingerprint {loaded.fingerprint[:12]}) on {describe_device(device)}")
     try:
         prompts = evaluation_prompts(config.prompts, config.prompt_bytes)
     except (ValueError, FileNotFoundError) as error:
@@ -401,7 +424,7 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
     result = {
         "schema_version": rep.SCHEMA_VERSION, "kind": rep.REPORT_KIND, "command": command,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": loaded.describe(), "machine": machine_info(), "config": asdict(config),
+        "model": loaded.describe(), "machine": machine_info(device), "config": asdict(config),
         "heads": {h.name: h.record for h in heads}, "rows": [row.to_json() for row in rows],
         "greedy_identical": identical, "sample": sample, "plot": PLOT_FILE,
         "wall_s": time.perf_counter() - start,

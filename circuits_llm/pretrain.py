@@ -1,10 +1,13 @@
 """Pretraining the embedded byte-level Llama on the CPython standard library (resumable).
 
 The job samples random windows of the packed training stream (:mod:`circuits_llm.data`) with a
-seeded ``torch.Generator``, trains with AdamW under a warmup + cosine schedule (bf16 autocast on
-CPU), evaluates bits per byte on fixed validation windows, and writes an atomic checkpoint every
-few minutes. Interrupt it at any time: ``run_pretraining`` on the same directory resumes from the
-last checkpoint and continues exactly as an uninterrupted run would (same seed, same machine).
+seeded ``torch.Generator``, trains with AdamW under a warmup + cosine schedule (optional bf16
+autocast), evaluates bits per byte on fixed validation windows, and writes an atomic checkpoint
+every few minutes. Interrupt it at any time: ``run_pretraining`` on the same directory resumes from
+the last checkpoint and continues exactly as an uninterrupted run would (same seed, same machine,
+same device). The model trains on the ``device`` it is given (the CPU by default); the data
+stream and the window sampler stay on the CPU and checkpoints are stored with CPU tensors, so a
+run may be resumed or exported on another device.
 
 :func:`export_model` turns the best checkpoint into a Hugging Face model directory (safetensors +
 config) with its held-out test bits per byte recorded in ``training.json``.
@@ -101,7 +104,7 @@ def learning_rate(config: PretrainConfig, step: int) -> float:
 
 def next_token_loss(model: LlamaForCausalLM, windows: Tensor, bf16: bool) -> Tensor:
     """Mean cross-entropy (nats) of ``windows[:, 1:]`` given ``windows[:, :-1]``."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and windows.device.type == "cpu"):
+    with torch.autocast(windows.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=windows[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                              windows[:, 1:].reshape(-1))
@@ -110,7 +113,11 @@ def next_token_loss(model: LlamaForCausalLM, windows: Tensor, bf16: bool) -> Ten
 @torch.no_grad()
 def bits_per_byte(model: LlamaForCausalLM, stream: Tensor, seq_len: int, max_windows: int,
                   batch_size: int = 16) -> float:
-    """Bits per byte on consecutive (non-overlapping) windows of ``stream``; byte targets only."""
+    """Bits per byte on consecutive (non-overlapping) windows of ``stream``; byte targets only.
+
+    ``stream`` may live anywhere: each batch is moved to the model's device.
+    """
+    device = next(model.parameters()).device
     model.eval()
     count = min(max_windows, (stream.numel() - 1) // seq_len)
     if count < 1:
@@ -118,7 +125,7 @@ def bits_per_byte(model: LlamaForCausalLM, stream: Tensor, seq_len: int, max_win
     windows = stream[: count * seq_len + 1].unfold(0, seq_len + 1, seq_len)[:count]
     total_nats, total_bytes = 0.0, 0
     for start in range(0, count, batch_size):
-        batch = windows[start:start + batch_size]
+        batch = windows[start:start + batch_size].to(device)
         logits = model(input_ids=batch[:, :-1]).logits.float()
         targets = batch[:, 1:]
         nats = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -149,16 +156,17 @@ def _streams(config: PretrainConfig, root: Path | None) -> tuple[Tensor, Tensor]
 
 def run_pretraining(config: PretrainConfig, run_dir: str | Path, *, max_seconds: float | None = None,
                     max_steps: int | None = None, root: Path | None = None,
-                    progress: bool = True) -> PretrainResult:
+                    progress: bool = True, device: torch.device | str = "cpu") -> PretrainResult:
     """Train (or resume) in ``run_dir``; stops at ``total_steps``, ``max_steps`` or ``max_seconds``.
 
     ``run_dir/checkpoint.pt`` holds everything needed to resume exactly; ``run_dir/best.pt`` the
-    weights with the best validation bits per byte so far.
+    weights with the best validation bits per byte so far. The model and its optimiser state live
+    on ``device``; the batches are sampled on the CPU and moved there.
     """
     run_dir = Path(run_dir)
     checkpoint_path = run_dir / "checkpoint.pt"
     torch.manual_seed(config.seed)
-    model = LlamaForCausalLM(config.model.config())
+    model = LlamaForCausalLM(config.model.config()).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate,
                                   weight_decay=config.weight_decay, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(config.seed)
@@ -204,7 +212,7 @@ def run_pretraining(config: PretrainConfig, run_dir: str | Path, *, max_seconds:
             group["lr"] = learning_rate(config, step)
         starts = torch.randint(0, train.numel() - config.seq_len - 1, (config.batch_size,),
                                generator=generator)
-        windows = torch.stack([train[s:s + config.seq_len + 1] for s in starts.tolist()])
+        windows = torch.stack([train[s:s + config.seq_len + 1] for s in starts.tolist()]).to(device)
         loss = next_token_loss(model, windows, config.bf16)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -239,12 +247,13 @@ def run_pretraining(config: PretrainConfig, run_dir: str | Path, *, max_seconds:
 
 
 def export_model(run_dir: str | Path, out_dir: str | Path, root: Path | None = None,
-                 test_windows: int | None = None) -> dict[str, object]:
+                 test_windows: int | None = None,
+                 device: torch.device | str = "cpu") -> dict[str, object]:
     """Write the best checkpoint as a Hugging Face model (safetensors) plus ``training.json``.
 
-    The held-out test split's bits per byte is measured here (on all of it unless
-    ``test_windows`` limits the number of 256-byte windows) and recorded. The directory is built
-    next to ``out_dir`` and swapped in with ``os.replace``.
+    The held-out test split's bits per byte is measured here, on ``device`` (on all of it unless
+    ``test_windows`` limits the number of 256-byte windows) and recorded; the weights are written
+    from the CPU. The directory is built next to ``out_dir`` and swapped in with ``os.replace``.
     """
     best = load_checkpoint(Path(run_dir) / "best.pt", CHECKPOINT_KIND + ".best")
     config = PretrainConfig.from_dict(best["config"])
@@ -253,7 +262,8 @@ def export_model(run_dir: str | Path, out_dir: str | Path, root: Path | None = N
     test = pack(corpus_files(Split.TEST, root))
     every_window = (test.numel() - 1) // config.seq_len
     test_windows = every_window if test_windows is None else min(test_windows, every_window)
-    test_bpb = bits_per_byte(model, test, config.seq_len, test_windows)
+    test_bpb = bits_per_byte(model.to(device), test, config.seq_len, test_windows)
+    model = model.cpu()
     last = load_checkpoint(Path(run_dir) / "checkpoint.pt", CHECKPOINT_KIND)
     card = {
         "architecture": "LlamaForCausalLM", "vocab": "bytes 0..255 + BOS=256, EOS=257, PAD=258",

@@ -18,6 +18,7 @@ from circuits_llm import demo as demo_module
 from circuits_llm import report
 from circuits_llm.cli import main
 from circuits_llm.data import decode, evaluation_prompts
+from circuits_llm.devices import describe_device, resolve_device
 from circuits_llm.metrics import DecodeSummary
 from circuits_llm.report import DecodeMode, DecoderRow, ReportError
 
@@ -43,7 +44,7 @@ def demo_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     root = tmp_path_factory.mktemp("demo")
     out, cache = root / "out", root / "cache"
     code = main(["demo", "--model", str(tiny_model), "--out", str(out), "--cache-dir", str(cache),
-                 *TINY_RUN])
+                 *TINY_RUN, "--device", "auto"])
     assert code == 0
     return {"out": out, "cache": cache, "model": tiny_model}
 
@@ -56,6 +57,7 @@ def _args(run: dict, out: Path | None = None) -> list[str]:
 def test_demo_writes_a_valid_report(demo_run: dict) -> None:
     result = report.load_report(demo_run["out"] / "results.json")
     assert result["command"] == "demo"
+    assert result["machine"]["device"] == describe_device(resolve_device("auto"))  # cpu here
     decoders = {(row["decoder"], row["mode"]) for row in result["rows"]}
     assert decoders == {(d, m.value) for d in ("autoregressive", "ff", "btree") for m in DecodeMode}
     assert result["greedy_identical"] == {"all": True, "prompts": 2, "mismatches": [],
@@ -100,10 +102,10 @@ def test_bench_uses_more_prompts(demo_run: dict, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     args = _args(demo_run, tmp_path)
     args[args.index("--prompts") + 1] = "3"
-    assert main(["bench", *args]) == 0
+    assert main(["bench", *args, "--device", "cpu"]) == 0
     assert "----- continuation -----" not in capsys.readouterr().out
     result = report.load_report(tmp_path / "results.json")
-    assert result["command"] == "bench"
+    assert result["command"] == "bench" and result["machine"]["device"] == "cpu"
     assert all(row["prompts"] == 3 for row in result["rows"])
     assert (tmp_path / "tradeoff.png").read_bytes()[:8] == PNG_SIGNATURE
 
@@ -127,6 +129,18 @@ def test_generate_greedy_matches_across_heads(demo_run: dict,
     assert _generate(demo_run, str(run_dir), "--temperature", "1", "--top-k", "20",
                      "--seed", "3") == 0
     assert "speculative" in capsys.readouterr().err
+
+
+def test_generate_on_cpu_and_auto_devices(demo_run: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    outputs = {}
+    for device in ("cpu", "auto"):
+        assert _generate(demo_run, "btree", "--device", device, "--temperature", "1",
+                         "--seed", "5") == 0
+        captured = capsys.readouterr()
+        outputs[device] = captured.out
+        assert f" on {resolve_device(device)}]" in captured.err
+    if not torch.cuda.is_available():  # auto is the CPU here: the same seeded sample
+        assert outputs["cpu"] == outputs["auto"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -91,3 +91,16 @@ def test_kernel_backend_is_recorded_and_an_impossible_one_is_refused() -> None:
     if not kernels.interpreter_usable():  # triton on CPU tensors needs TRITON_INTERPRET=1
         with pytest.raises(kernels.KernelBackendError, match="CPU"):
             run_benchmark(dataclasses.replace(small, kernels="triton"), log=lambda _line: None)
+
+
+def test_the_resolved_device_is_recorded() -> None:
+    import dataclasses
+
+    from circuits_llm.devices import resolve_device
+
+    small = dataclasses.replace(TINY, architectures=("ff",), variants=("lean",), profile=False,
+                                device="auto", kernels="torch")
+    result = run_benchmark(small, log=lambda _line: None)
+    resolved = str(resolve_device("auto"))  # "cpu" here; "cuda:0" on a CUDA machine
+    assert result["config"]["device"] == resolved
+    assert result["machine"]["device"].split(": ")[0] == resolved

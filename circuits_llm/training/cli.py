@@ -6,7 +6,10 @@ Example (resumable; run it again with the same arguments to continue)::
         --lora-layers 0 --steps 2000 --run-dir runs/btree --minutes 30
 
 Data-parallel on CPU: ``torchrun --nproc_per_node=2 -m circuits_llm train-head ...`` (the global
-``--batch-size`` is split across the processes). Input problems end the command with one line
+``--batch-size`` is split across the processes). ``--device`` takes the shared forms of
+:mod:`circuits_llm.devices` (default ``cpu``, as before: resumable runs and CPU data-parallel runs
+keep their device unless asked); under torchrun ``cuda`` and ``auto`` mean ``cuda:LOCAL_RANK``, one
+GPU per process. Input problems end the command with one line
 ``circuits-llm train-head: error: ...`` on stderr and exit status 2.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from circuits_llm.devices import DeviceError, DeviceSpec, add_device_argument, resolve_device
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
 
 EMBEDDED = "embedded"
@@ -49,12 +53,9 @@ def load_model(spec: str, device: torch.device) -> Any:
     return model.to(device).eval()
 
 
-def _device(name: str) -> torch.device:
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainingConfigError("--device cuda but no CUDA device is available")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def _device(spec: DeviceSpec | str) -> torch.device:
+    """The resolved ``--device``: ``cuda`` / ``auto`` use ``cuda:LOCAL_RANK`` (0 without torchrun)."""
+    return resolve_device(spec, default_index=int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
@@ -87,7 +88,7 @@ def _train_head(args: argparse.Namespace) -> int:
                             max_seconds=None if minutes is None else minutes * 60,
                             max_steps=args.max_steps, progress=not args.no_progress,
                             corpus_root=args.corpus_root)
-    except (TrainingConfigError, CheckpointError, CircuitError) as error:
+    except (TrainingConfigError, CheckpointError, CircuitError, DeviceError) as error:
         print(f"circuits-llm train-head: error: {error}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
@@ -137,7 +138,8 @@ def add_train_head_command(sub: Any) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the backbone forward")
     p.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in total")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_argument(p, default="cpu",
+                        note="Under torchrun, cuda and auto mean cuda:LOCAL_RANK (one GPU per process).")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
     p.add_argument("--corpus-root", type=Path, default=None, help="corpus directory (default: stdlib)")
     p.add_argument("--no-progress", action="store_true")
