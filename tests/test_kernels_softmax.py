@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
-from triton_helpers import chi_square_p, lower_to_cuda_ir
+from triton_helpers import chi_square_p
 
 import circuits
 from circuits import kernels
@@ -279,25 +279,3 @@ def test_triton_lazy_round_queries_equal_the_torch_round(name: str) -> None:
             torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-12)
         else:
             assert torch.equal(mine, ref)
-
-
-@pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
-@pytest.mark.skipif(IN_INTERPRETER, reason="lowering needs the compiler, not the interpreter")
-@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
-def test_softmax_kernels_lower_to_triton_ir_for_a_cuda_target(dtype: str) -> None:
-    pytest.importorskip("triton._C.libtriton")
-    from circuits.kernels import _triton_softmax
-
-    stats = {"x_ptr": f"*{dtype}", "tok_ptr": "*i64", "u_ptr": "*fp64", "lse_ptr": f"*{dtype}",
-             "logp_ptr": f"*{dtype}", "draw_ptr": "*i64", "draw_logp_ptr": f"*{dtype}"}
-    mixture = {"w_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "lse_ptr": f"*{dtype}",
-               "out_ptr": f"*{dtype}"}
-    cases = [(_triton_softmax._softmax_stats_kernel, stats,
-              {"HAS_TOKENS": True, "HAS_DRAW": True, "BLOCK_R": 16, "BLOCK_C": 256,
-               "BLOCK_T": 16}),
-             (_triton_softmax._softmax_mixture_kernel, mixture,
-              {"HAS_LSE": True, "BLOCK_B": 16, "BLOCK_K": 32, "BLOCK_C": 128})]
-    for fn, pointers, constants in cases:
-        text = lower_to_cuda_ir(fn, pointers, constants)
-        assert f"tt.func public @{fn.__name__}" in text
-        assert ("tt.dot" in text) == (fn is _triton_softmax._softmax_mixture_kernel)

@@ -1,11 +1,15 @@
-"""Helpers shared by the kernel tests: a chi-square p-value and lowering a kernel to Triton IR."""
+"""Helpers shared by the kernel tests: a chi-square p-value, and compiling a kernel for a GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from circuits.kernels._triton_launch import KernelLaunch
 
 
 def chi_square_p(choices: Tensor, probs: Tensor) -> float:
@@ -20,26 +24,53 @@ def chi_square_p(choices: Tensor, probs: Tensor) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
-def lower_to_cuda_ir(fn: Callable[..., object], pointers: Mapping[str, str],
-                     constants: Mapping[str, object]) -> str:
-    """The Triton IR of kernel ``fn`` for an sm_90 target (no GPU needed): the GPU front end's
-    type checks and dot shapes run. Arguments not in ``pointers`` or ``constants`` are i32."""
-    import triton
-    from triton._C.libtriton import ir as ir_module
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
+class Specialization(Enum):
+    """How the runtime arguments of a kernel call are typed for compilation.
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({})
-    jitted = triton.jit(fn)
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
-                 for name in jitted.arg_names}
-    context = ir_module.context()
-    ir_module.load_dialects(context)
-    backend.load_dialects(context)
-    module = ASTSource(jitted, signature, dict(constants)).make_ir(
-        target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-        context)
-    return str(module)
+    ``JIT``: exactly what ``triton.jit`` derives on a GPU (triton's own specialiser: an int equal
+    to 1 becomes a constant, ``tt.divisibility`` 16 on pointers aligned to 16 bytes and on ints
+    that are multiples of 16). ``ALL_DIVISIBLE``: as JIT, plus divisibility on every pointer and
+    int (every size and stride a multiple of 16). ``PLAIN``: no hints at all, ones included (as
+    with ``do_not_specialize``).
+    """
+
+    JIT = "jit"
+    ALL_DIVISIBLE = "all-divisible"
+    PLAIN = "plain"
+
+
+def compile_for_cuda(call: KernelLaunch, arch: int, specialization: Specialization) -> object:
+    """Compile ``call``'s kernel for ``sm_{arch}`` through every stage (ttir, ttgir, llir, ptx,
+    cubin; ptxas ships in the triton wheel), with its arguments specialised as ``specialization``
+    says. No GPU is needed. Raises whatever triton raises when a stage fails."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction, native_specialize_impl
+
+    fn = JITFunction(call.kernel)  # not triton.jit: that would pick the interpreter if enabled
+    runtime = [name for name in fn.arg_names if name not in call.constants]
+    assert len(runtime) == len(call.args), (fn.arg_names, len(call.args))
+    signature: dict[str, str] = {}
+    constexprs: dict[str, object] = dict(call.constants)
+    attrs: dict[tuple[int, ...], list] = {}
+    for name, value in zip(runtime, call.args, strict=True):
+        kind, hint = native_specialize_impl(CUDABackend, value, False, True, True)
+        if specialization is Specialization.PLAIN:
+            hint = ""
+            if kind == "constexpr":
+                kind = "i32"
+        elif specialization is Specialization.ALL_DIVISIBLE and kind[0] in "*i":
+            hint = "D"
+        if kind == "constexpr":
+            constexprs[name] = value
+            hint = ""
+        signature[name] = kind
+        if hint:
+            attrs[(fn.arg_names.index(name),)] = CUDABackend.parse_attr(hint)
+    for name in call.constants:
+        signature[name] = "constexpr"
+    signature = {name: signature[name] for name in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", arch, 32))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from circuits.compiled.folding import FoldPlan, InputAddress
-from circuits.kernels import TritonLogMatmul, use_triton
+from circuits.kernels import TritonKernel, triton_log_matmul, use_triton
 from circuits.kernels.softmax import softmax_stats
 from circuits.parameterizations import Parameterization, Softmax
 from circuits.symbolic import InputLayer, ProductKind, SumLayer
@@ -103,7 +103,8 @@ class FoldedInput(nn.Module):
         softmax logits, no integrated slot, no gradient wanted, and the triton backend selected."""
         return (raw is not None and isinstance(self.parameterization, Softmax)
                 and not self.any_integrated
-                and not (torch.is_grad_enabled() and raw.requires_grad) and use_triton(raw))
+                and not (torch.is_grad_enabled() and raw.requires_grad)
+                and use_triton(raw, kernel=TritonKernel.SOFTMAX_STATS))
 
     def softmax_parts(self, raw: Tensor) -> SoftmaxParts:
         """``raw`` (S, F, K, C) logits and their log-normalisers, in one pass over ``C``."""
@@ -343,9 +344,10 @@ def log_matmul(inputs: Tensor, log_weights: Tensor, weights: ExpWeights | None =
     if log_weights.dim() == 4 and inputs.shape[1] % max(log_weights.shape[0], 1) != 0:
         raise ValueError(f"{inputs.shape[1]} rows cannot be split into groups for "
                          f"{log_weights.shape[0]} weight sets")
-    if (log_weights.dim() == 3 or log_weights.shape[0] == inputs.shape[1]) \
-            and use_triton(inputs, log_weights):
-        return TritonLogMatmul.apply(inputs, log_weights)
+    if log_weights.dim() == 3 or log_weights.shape[0] == inputs.shape[1]:
+        fused = triton_log_matmul(inputs, log_weights)
+        if fused is not None:
+            return fused
     grad = torch.is_grad_enabled() and (inputs.requires_grad or log_weights.requires_grad)
     # non-finite maxima (all -inf rows) shift by 0; nan_to_num avoids slow bool masks on CPU
     in_max = (inputs.detach() if grad else inputs).amax(-1, keepdim=True).nan_to_num_(

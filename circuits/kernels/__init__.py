@@ -5,7 +5,10 @@ kernels; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and ``AUTO``
 tensors when ``import triton`` works, torch otherwise; never triton on the CPU). Force one
 globally (:func:`set_backend`, or the environment variable ``CIRCUITS_KERNELS=torch|triton``),
 in a block (``with use_backend("torch"): ...``) or per call (``backend=`` arguments).
-Triton is optional: importing this package never imports it.
+Triton is optional: importing this package never imports it. Under ``AUTO`` a kernel that does
+not compile with the installed triton or GPU falls back to torch with one
+:class:`KernelFallbackWarning` (:func:`run_triton`); releases older than
+:data:`OLDEST_TESTED_TRITON` are left to torch.
 
 Operations (:mod:`circuits.kernels.ops`): :func:`log_matmul` (the log-space sum layer, forward
 and backward; :func:`circuits.compiled.layers.log_matmul` dispatches to it) and
@@ -20,17 +23,23 @@ softmax table), which the queries use for input folds held as
 
 from circuits.kernels.backend import (
     ENV_VAR,
+    OLDEST_TESTED_TRITON,
     KernelBackend,
     KernelBackendError,
+    KernelFallbackWarning,
+    TritonKernel,
+    failed_kernels,
     interpreter_enabled,
     interpreter_usable,
     parse_backend,
     requested_backend,
     reset_triton_import_cache,
     resolve_backend,
+    run_triton,
     set_backend,
     triton_available,
     triton_import_error,
+    triton_version,
     use_backend,
     use_triton,
 )
@@ -43,12 +52,15 @@ from circuits.kernels.ops import (
     log_matmul_backward,
     rows_of,
     sum_child_choice,
+    triton_log_matmul,
 )
 
 __all__ = [
-    "ENV_VAR", "GumbelChooser", "KernelBackend", "KernelBackendError", "TritonLogMatmul",
-    "choose_sum_children", "gumbel_argmax", "interpreter_enabled", "interpreter_usable",
-    "log_matmul", "log_matmul_backward", "parse_backend", "requested_backend", "reset_triton_import_cache",
-    "resolve_backend", "rows_of", "set_backend", "sum_child_choice", "triton_available",
-    "triton_import_error", "use_backend", "use_triton",
+    "ENV_VAR", "OLDEST_TESTED_TRITON", "GumbelChooser", "KernelBackend", "KernelBackendError",
+    "KernelFallbackWarning", "TritonKernel", "TritonLogMatmul", "choose_sum_children",
+    "failed_kernels", "gumbel_argmax", "interpreter_enabled", "interpreter_usable", "log_matmul",
+    "log_matmul_backward", "parse_backend", "requested_backend", "reset_triton_import_cache",
+    "resolve_backend", "rows_of", "run_triton", "set_backend", "sum_child_choice",
+    "triton_available", "triton_import_error", "triton_log_matmul", "triton_version",
+    "use_backend", "use_triton",
 ]

@@ -1,8 +1,8 @@
 """The triton kernels and their launchers (imported only when a triton path actually runs).
 
-Kernels are plain functions compiled with ``triton.jit`` on first use, once per interpreter mode
-(``triton.jit`` reads ``TRITON_INTERPRET`` when it wraps a function; the interpreter also needs it
-set before triton itself is imported, see :func:`circuits.kernels.interpreter_usable`). Every kernel
+Kernels are plain functions, jitted and launched through :mod:`circuits.kernels._triton_launch`
+(once per interpreter mode; the interpreter also needs ``TRITON_INTERPRET`` set before triton
+itself is imported, see :func:`circuits.kernels.interpreter_usable`). Every kernel
 flattens its whole grid into program axis 0 (no 65535 limit on the other axes) and takes element
 strides, so expanded (stride-0) and other non-contiguous views are read in place.
 
@@ -19,22 +19,18 @@ Tensor shapes (``F`` folds, ``B`` batch, ``K`` sum units, ``D`` input units):
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from circuits.kernels.backend import interpreter_enabled
-
-Blocks = dict[str, int]
+from circuits.kernels._triton_launch import Blocks, KernelLaunch, block, launch, uses_dot
 
 
 def _lse_matmul_shared_kernel(x_ptr, w_ptr, out_ptr, B, K, D,
                               sxf, sxb, sxd, swf, swk, swd, sof, sob, sok,
                               BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
+                              BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr):
     """One (fold, batch block, unit block) tile: two passes over D (maxima, then exp-dot)."""
     pid = tl.program_id(0)
     num_b = tl.cdiv(B, BLOCK_B)
@@ -49,8 +45,10 @@ def _lse_matmul_shared_kernel(x_ptr, w_ptr, out_ptr, B, K, D,
     w_cols = w_ptr + f * swf + offs_k[None, :].to(tl.int64) * swk  # (1, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
     neg_inf = float("-inf")
-    x_max = tl.full([BLOCK_B], neg_inf, dtype)
-    w_max = tl.full([BLOCK_K], neg_inf, dtype)
+    # elementwise running maxima, reduced once after the loop (a reduction inside the loop
+    # crashes triton 3.6's TritonGPUOptimizeThreadLocality pass)
+    x_hi = tl.full([BLOCK_B, BLOCK_D], neg_inf, dtype)
+    w_hi = tl.full([BLOCK_D, BLOCK_K], neg_inf, dtype)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
@@ -58,8 +56,10 @@ def _lse_matmul_shared_kernel(x_ptr, w_ptr, out_ptr, B, K, D,
                      other=neg_inf)
         wt = tl.load(w_cols + offs_d[:, None] * swd, mask=mask_d[:, None] & mask_k[None, :],
                      other=neg_inf)
-        x_max = tl.maximum(x_max, tl.max(xt, axis=1))
-        w_max = tl.maximum(w_max, tl.max(wt, axis=0))
+        x_hi = tl.maximum(x_hi, xt)
+        w_hi = tl.maximum(w_hi, wt)
+    x_max = tl.max(x_hi, axis=1)
+    w_max = tl.max(w_hi, axis=0)
     # all -inf (or an infinite maximum): shift by 0, exactly as the torch reference does
     x_max = tl.where((x_max > neg_inf) & (x_max < float("inf")), x_max, 0.0)
     w_max = tl.where((w_max > neg_inf) & (w_max < float("inf")), w_max, 0.0)
@@ -73,7 +73,10 @@ def _lse_matmul_shared_kernel(x_ptr, w_ptr, out_ptr, B, K, D,
                      other=neg_inf)
         p = tl.exp(xt - x_max[:, None])  # (BLOCK_B, BLOCK_D)
         q = tl.exp(wt - w_max[None, :])  # (BLOCK_D, BLOCK_K)
-        acc = tl.dot(p, q, acc, input_precision="ieee")
+        if USE_DOT:
+            acc = tl.dot(p, q, acc, input_precision="ieee")
+        else:  # float64: tl.dot does not compile before triton 3.9
+            acc += tl.sum(p[:, :, None] * q[None, :, :], axis=1)
     positive = acc > 0
     result = tl.where(positive, tl.log(tl.where(positive, acc, 1.0)) + x_max[:, None]
                       + w_max[None, :], neg_inf)
@@ -102,16 +105,18 @@ def _lse_matvec_rows_kernel(x_ptr, w_ptr, out_ptr, B, K, D,
     w_rows = w_ptr + f * swf + rows_b * swb + offs_k.to(tl.int64)[None, :, None] * swk
     dtype = out_ptr.dtype.element_ty
     neg_inf = float("-inf")
-    x_max = tl.full([BLOCK_B, 1], neg_inf, dtype)
-    w_max = tl.full([BLOCK_B, BLOCK_K], neg_inf, dtype)
+    x_hi = tl.full([BLOCK_B, 1, BLOCK_D], neg_inf, dtype)  # running maxima, reduced after
+    w_hi = tl.full([BLOCK_B, BLOCK_K, BLOCK_D], neg_inf, dtype)
     for d0 in range(0, D, BLOCK_D):
         offs_d = (d0 + tl.arange(0, BLOCK_D))[None, None, :]
         mask_d = offs_d < D
         xt = tl.load(x_rows + offs_d * sxd, mask=(offs_b < B)[:, None, None] & mask_d,
                      other=neg_inf)  # (BLOCK_B, 1, BLOCK_D)
         wt = tl.load(w_rows + offs_d * swd, mask=mask_bk & mask_d, other=neg_inf)
-        x_max = tl.maximum(x_max, tl.max(xt, axis=2))
-        w_max = tl.maximum(w_max, tl.max(wt, axis=2))
+        x_hi = tl.maximum(x_hi, xt)
+        w_hi = tl.maximum(w_hi, wt)
+    x_max = tl.max(x_hi, axis=2)  # (BLOCK_B, 1)
+    w_max = tl.max(w_hi, axis=2)  # (BLOCK_B, BLOCK_K)
     x_max = tl.where((x_max > neg_inf) & (x_max < float("inf")), x_max, 0.0)
     w_max = tl.where((w_max > neg_inf) & (w_max < float("inf")), w_max, 0.0)
     acc = tl.zeros([BLOCK_B, BLOCK_K], dtype)
@@ -134,7 +139,7 @@ def _lse_matmul_grad_x_kernel(x_ptr, w_ptr, out_ptr, grad_ptr, xmax_ptr, wmax_pt
                               B, K, D, sxf, sxb, sxd, swf, swk, swd, sof, sob, sok,
                               sgf, sgb, sgk, smf, smb, snf, snk, sdf, sdb, sdd,
                               BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
+                              BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr):
     """``dx[f, b, d] = exp(x - x_max) * sum_k G[f, b, k] exp(logw[f, k, d] - w_max[f, k])`` with
     ``G = grad * exp(x_max + w_max - out)`` (0 where ``out = -inf``)."""
     pid = tl.program_id(0)
@@ -165,7 +170,11 @@ def _lse_matmul_grad_x_kernel(x_ptr, w_ptr, out_ptr, grad_ptr, xmax_ptr, wmax_pt
                                                - tl.where(finite, out, 0.0)), 0.0)
         w = tl.load(w_ptr + f * swf + offs_k[:, None] * swk + offs_d[None, :] * swd,
                     mask=mask_k[:, None] & mask_d[None, :], other=neg_inf)
-        acc = tl.dot(scale, tl.exp(w - w_max[:, None]), acc, input_precision="ieee")
+        q = tl.exp(w - w_max[:, None])  # (BLOCK_K, BLOCK_D)
+        if USE_DOT:
+            acc = tl.dot(scale, q, acc, input_precision="ieee")
+        else:
+            acc += tl.sum(scale[:, :, None] * q[None, :, :], axis=1)
     mask_bd = mask_b[:, None] & mask_d[None, :]
     x = tl.load(x_ptr + f * sxf + rows[:, None] * sxb + offs_d[None, :] * sxd, mask=mask_bd,
                 other=neg_inf)
@@ -177,7 +186,7 @@ def _lse_matmul_grad_w_kernel(x_ptr, w_ptr, out_ptr, grad_ptr, xmax_ptr, wmax_pt
                               B, K, D, sxf, sxb, sxd, swf, swk, swd, sof, sob, sok,
                               sgf, sgb, sgk, smf, smb, snf, snk, sdf, sdk, sdd,
                               BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
+                              BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr):
     """``dlogw[f, k, d] = exp(logw - w_max) * sum_b G[f, b, k] exp(x[f, b, d] - x_max[f, b])``."""
     pid = tl.program_id(0)
     num_k = tl.cdiv(K, BLOCK_K)
@@ -207,7 +216,11 @@ def _lse_matmul_grad_w_kernel(x_ptr, w_ptr, out_ptr, grad_ptr, xmax_ptr, wmax_pt
                                                    - tl.where(finite, out_t, 0.0)), 0.0)
         x = tl.load(x_ptr + f * sxf + rows[:, None] * sxb + offs_d[None, :] * sxd,
                     mask=mask_b[:, None] & mask_d[None, :], other=neg_inf)
-        acc = tl.dot(scale_t, tl.exp(x - x_max[:, None]), acc, input_precision="ieee")
+        p = tl.exp(x - x_max[:, None])  # (BLOCK_B, BLOCK_D)
+        if USE_DOT:
+            acc = tl.dot(scale_t, p, acc, input_precision="ieee")
+        else:
+            acc += tl.sum(scale_t[:, :, None] * p[None, :, :], axis=1)
     mask_kd = mask_k[:, None] & mask_d[None, :]
     w = tl.load(w_ptr + f * swf + offs_k[:, None] * swk + offs_d[None, :] * swd, mask=mask_kd,
                 other=neg_inf)
@@ -250,25 +263,27 @@ def _gumbel_sum_choice_kernel(w_ptr, x_ptr, u_ptr, unit_ptr, out_ptr, B, D,
     tl.store(out_ptr + f * sof + rows_b * sob, tl.where(active, best_idx, -1), mask=mask_b)
 
 
-_BUILT: dict[bool, SimpleNamespace] = {}
+def lse_matmul_shared_blocks(dtype: torch.dtype, batch: int, units: int, width: int) -> Blocks:
+    """Tile sizes of :func:`lse_matmul_shared` and its backward (float64 tiles are smaller: its
+    products are broadcast, see :func:`~circuits.kernels._triton_launch.uses_dot`)."""
+    if uses_dot(dtype):
+        return {"BLOCK_B": block(batch, 16, 64), "BLOCK_K": block(units, 16, 64),
+                "BLOCK_D": block(width, 16, 32)}
+    return {"BLOCK_B": block(batch, 16, 32), "BLOCK_K": block(units, 16, 32),
+            "BLOCK_D": block(width, 8, 8)}
 
 
-def kernels() -> SimpleNamespace:
-    """The jitted kernels for the current interpreter mode (built once per mode)."""
-    mode = interpreter_enabled()
-    if mode not in _BUILT:
-        _BUILT[mode] = SimpleNamespace(
-            shared=triton.jit(_lse_matmul_shared_kernel),
-            rows=triton.jit(_lse_matvec_rows_kernel),
-            choice=triton.jit(_gumbel_sum_choice_kernel),
-            grad_x=triton.jit(_lse_matmul_grad_x_kernel),
-            grad_w=triton.jit(_lse_matmul_grad_w_kernel))
-    return _BUILT[mode]
+def lse_matvec_rows_blocks(batch: int, units: int, width: int) -> Blocks:
+    """Tile sizes of :func:`lse_matvec_rows`: at most 8192 elements in a 3-D tile."""
+    block_k, block_d = block(units, 16, 64), block(width, 16, 64)
+    return {"BLOCK_B": block(batch, 1, max(1, 8192 // (block_k * block_d))), "BLOCK_K": block_k,
+            "BLOCK_D": block_d}
 
 
-def _block(n: int, low: int, high: int) -> int:
-    """A power of two in ``[low, high]`` covering ``n`` where possible."""
-    return max(low, min(high, triton.next_power_of_2(max(n, 1))))
+def gumbel_sum_choice_blocks(width: int) -> Blocks:
+    """Tile sizes of :func:`gumbel_sum_choice`."""
+    block_d = block(width, 16, 128)
+    return {"BLOCK_B": max(1, min(64, 4096 // block_d)), "BLOCK_D": block_d}
 
 
 def lse_matmul_shared(x: Tensor, logw: Tensor, blocks: Blocks | None = None) -> Tensor:
@@ -278,12 +293,11 @@ def lse_matmul_shared(x: Tensor, logw: Tensor, blocks: Blocks | None = None) -> 
     out = torch.empty(fold, batch, units, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    high_d = 32 if x.dtype == torch.float32 else 16
-    sizes = {"BLOCK_B": _block(batch, 16, 64), "BLOCK_K": _block(units, 16, 64),
-             "BLOCK_D": _block(width, 16, high_d), **(blocks or {})}
+    sizes = {**lse_matmul_shared_blocks(x.dtype, batch, units, width), **(blocks or {})}
     grid = (fold * triton.cdiv(batch, sizes["BLOCK_B"]) * triton.cdiv(units, sizes["BLOCK_K"]),)
-    kernels().shared[grid](x, logw, out, batch, units, width, *x.stride(), *logw.stride(),
-                           *out.stride(), **sizes)
+    launch(KernelLaunch(_lse_matmul_shared_kernel, grid,
+                        (x, logw, out, batch, units, width, *x.stride(), *logw.stride(),
+                         *out.stride()), {**sizes, "USE_DOT": uses_dot(x.dtype)}))
     return out
 
 
@@ -294,12 +308,11 @@ def lse_matvec_rows(x: Tensor, logw: Tensor, blocks: Blocks | None = None) -> Te
     out = torch.empty(fold, batch, units, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    block_k, block_d = _block(units, 16, 64), _block(width, 16, 64)
-    block_b = _block(batch, 1, max(1, 8192 // (block_k * block_d)))
-    sizes = {"BLOCK_B": block_b, "BLOCK_K": block_k, "BLOCK_D": block_d, **(blocks or {})}
+    sizes = {**lse_matvec_rows_blocks(batch, units, width), **(blocks or {})}
     grid = (fold * triton.cdiv(batch, sizes["BLOCK_B"]) * triton.cdiv(units, sizes["BLOCK_K"]),)
-    kernels().rows[grid](x, logw, out, batch, units, width, *x.stride(), *logw.stride(),
-                         *out.stride(), **sizes)
+    launch(KernelLaunch(_lse_matvec_rows_kernel, grid,
+                        (x, logw, out, batch, units, width, *x.stride(), *logw.stride(),
+                         *out.stride()), sizes))
     return out
 
 
@@ -314,9 +327,8 @@ def lse_matmul_shared_backward(x: Tensor, logw: Tensor, out: Tensor, grad: Tenso
     """
     fold, batch, width = x.shape
     units = logw.shape[1]
-    high = 32 if x.dtype == torch.float32 else 16
-    sizes = {"BLOCK_B": _block(batch, 16, 64), "BLOCK_K": _block(units, 16, 64),
-             "BLOCK_D": _block(width, 16, high), **(blocks or {})}
+    sizes = {**lse_matmul_shared_blocks(x.dtype, batch, units, width), **(blocks or {}),
+             "USE_DOT": uses_dot(x.dtype)}
     common = (x, logw, out, grad, x_max, w_max)
     strides = (*x.stride(), *logw.stride(), *out.stride(), *grad.stride(), *x_max.stride(),
                *w_max.stride())
@@ -325,14 +337,16 @@ def lse_matmul_shared_backward(x: Tensor, logw: Tensor, out: Tensor, grad: Tenso
         grad_x = torch.empty(fold, batch, width, dtype=x.dtype, device=x.device)
         if grad_x.numel():
             grid = (fold * triton.cdiv(batch, sizes["BLOCK_B"]) * triton.cdiv(width, sizes["BLOCK_D"]),)
-            kernels().grad_x[grid](*common, grad_x, batch, units, width, *strides,
-                                   *grad_x.stride(), **sizes)
+            launch(KernelLaunch(_lse_matmul_grad_x_kernel, grid,
+                                (*common, grad_x, batch, units, width, *strides,
+                                 *grad_x.stride()), sizes))
     if needs[1]:
         grad_w = torch.empty(fold, units, width, dtype=x.dtype, device=x.device)
         if grad_w.numel():
             grid = (fold * triton.cdiv(units, sizes["BLOCK_K"]) * triton.cdiv(width, sizes["BLOCK_D"]),)
-            kernels().grad_w[grid](*common, grad_w, batch, units, width, *strides,
-                                   *grad_w.stride(), **sizes)
+            launch(KernelLaunch(_lse_matmul_grad_w_kernel, grid,
+                                (*common, grad_w, batch, units, width, *strides,
+                                 *grad_w.stride()), sizes))
     return grad_x, grad_w
 
 
@@ -344,12 +358,12 @@ def gumbel_sum_choice(logw: Tensor, unit: Tensor, x: Tensor | None, uniforms: Te
     out = torch.empty(fold, batch, dtype=torch.long, device=unit.device)
     if out.numel() == 0:
         return out
-    block_d = _block(width, 16, 128)
-    sizes = {"BLOCK_B": max(1, min(64, 4096 // block_d)), "BLOCK_D": block_d, **(blocks or {})}
+    sizes = {**gumbel_sum_choice_blocks(width), **(blocks or {})}
     w_strides = (0, *logw.stride()) if logw.dim() == 3 else logw.stride()
     x_arg, x_strides = (logw, (0, 0, 0)) if x is None else (x, x.stride())
     grid = (fold * triton.cdiv(batch, sizes["BLOCK_B"]),)
-    kernels().choice[grid](logw, x_arg, uniforms, unit, out, batch, width, *w_strides, *x_strides,
-                           *uniforms.stride(), *unit.stride(), *out.stride(),
-                           HAS_X=x is not None, **sizes)
+    launch(KernelLaunch(_gumbel_sum_choice_kernel, grid,
+                        (logw, x_arg, uniforms, unit, out, batch, width, *w_strides, *x_strides,
+                         *uniforms.stride(), *unit.stride(), *out.stride()),
+                        {"HAS_X": x is not None, **sizes}))
     return out

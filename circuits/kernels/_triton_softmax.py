@@ -16,14 +16,12 @@ Every kernel flattens its grid into program axis 0 and takes element strides.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from circuits.kernels.backend import interpreter_enabled
+from circuits.kernels._triton_launch import Blocks, KernelLaunch, block, launch, uses_dot
 
 
 def _softmax_stats_kernel(x_ptr, tok_ptr, u_ptr, lse_ptr, logp_ptr, draw_ptr, draw_logp_ptr,
@@ -73,20 +71,21 @@ def _softmax_stats_kernel(x_ptr, tok_ptr, u_ptr, lse_ptr, logp_ptr, draw_ptr, dr
         tl.store(draw_logp_ptr + rows64,
                  tl.where(has_mass, best_logit - lse, neg_inf).to(dtype), mask=mask_r)
     if HAS_TOKENS:
-        offs_t = tl.arange(0, BLOCK_T)
-        mask_t = mask_r[:, None] & (offs_t < T)[None, :]
-        tokens = tl.load(tok_ptr + rows64[:, None] * str_ + offs_t[None, :] * stt, mask=mask_t,
-                         other=0).to(tl.int64)
-        picked = tl.load(x_rows + tokens * sxc, mask=mask_t, other=neg_inf)
-        logp = tl.where(has_mass[:, None], picked - lse[:, None], neg_inf)
-        tl.store(logp_ptr + rows64[:, None] * spr + offs_t[None, :] * spt, logp.to(dtype),
-                 mask=mask_t)
+        for t0 in range(0, T, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            mask_t = mask_r[:, None] & (offs_t < T)[None, :]
+            tokens = tl.load(tok_ptr + rows64[:, None] * str_ + offs_t[None, :] * stt,
+                             mask=mask_t, other=0).to(tl.int64)
+            picked = tl.load(x_rows + tokens * sxc, mask=mask_t, other=neg_inf)
+            logp = tl.where(has_mass[:, None], picked - lse[:, None], neg_inf)
+            tl.store(logp_ptr + rows64[:, None] * spr + offs_t[None, :] * spt, logp.to(dtype),
+                     mask=mask_t)
 
 
 def _softmax_mixture_kernel(w_ptr, x_ptr, lse_ptr, out_ptr, S, R, K, C,
                             swf, swb, swk, sxs, sxf, sxk, sxc, sls, slf, slk, sof, sob, soc,
                             HAS_LSE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_C: tl.constexpr):
+                            BLOCK_C: tl.constexpr, USE_DOT: tl.constexpr):
     """One (fold, set, row block, category block) tile of ``W @ softmax(logits)``."""
     pid = tl.program_id(0)
     num_b = tl.cdiv(R, BLOCK_B)
@@ -113,29 +112,33 @@ def _softmax_mixture_kernel(w_ptr, x_ptr, lse_ptr, out_ptr, S, R, K, C,
             norm = tl.load(lse_ptr + s * sls + f * slf + offs_k * slk, mask=mask_k, other=0.0)
             # a row without mass (lse = -inf) contributes 0, not NaN
             x = tl.where((norm > float("-inf"))[:, None], x - norm[:, None], float("-inf"))
-        acc = tl.dot(w, tl.exp(x), acc, input_precision="ieee")
+        p = tl.exp(x)  # (BLOCK_K, BLOCK_C)
+        if USE_DOT:
+            acc = tl.dot(w, p, acc, input_precision="ieee")
+        else:  # float64: see circuits.kernels._triton_launch.uses_dot
+            acc += tl.sum(w[:, :, None] * p[None, :, :], axis=1)
     out = out_ptr + f * sof + rows[:, None] * sob + offs_c[None, :] * soc
     tl.store(out, acc.to(dtype), mask=mask_b[:, None] & mask_c[None, :])
 
 
-_BUILT: dict[bool, SimpleNamespace] = {}
+def softmax_stats_blocks(categories: int, tokens: int) -> Blocks:
+    """Tile sizes of :func:`softmax_stats` (requested tokens are read 64 at a time at most)."""
+    block_c = block(categories, 16, 256)
+    return {"BLOCK_R": max(1, min(64, 4096 // block_c)), "BLOCK_C": block_c,
+            "BLOCK_T": block(tokens, 1, 64)}
 
 
-def kernels() -> SimpleNamespace:
-    """The jitted kernels for the current interpreter mode (built once per mode)."""
-    mode = interpreter_enabled()
-    if mode not in _BUILT:
-        _BUILT[mode] = SimpleNamespace(stats=triton.jit(_softmax_stats_kernel),
-                                       mixture=triton.jit(_softmax_mixture_kernel))
-    return _BUILT[mode]
-
-
-def _block(n: int, low: int, high: int) -> int:
-    return max(low, min(high, triton.next_power_of_2(max(n, 1))))
+def softmax_mixture_blocks(dtype: torch.dtype, rows: int, units: int, categories: int) -> Blocks:
+    """Tile sizes of :func:`softmax_mixture` (float64 tiles are smaller: broadcast products)."""
+    if uses_dot(dtype):
+        return {"BLOCK_B": block(rows, 16, 64), "BLOCK_K": block(units, 16, 32),
+                "BLOCK_C": block(categories, 16, 128)}
+    return {"BLOCK_B": block(rows, 16, 32), "BLOCK_K": block(units, 8, 8),
+            "BLOCK_C": block(categories, 16, 32)}
 
 
 def softmax_stats(logits: Tensor, tokens: Tensor | None, uniforms: Tensor | None,
-                  blocks: dict[str, int] | None = None
+                  blocks: Blocks | None = None
                   ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """``logits (R, C)`` -> ``lse (R,)``, ``log_probs (R, T)``, ``draw (R,)``, ``draw_logp (R,)``."""
     rows, size = logits.shape
@@ -147,23 +150,23 @@ def softmax_stats(logits: Tensor, tokens: Tensor | None, uniforms: Tensor | None
     draw_logp = None if uniforms is None else torch.empty_like(lse)
     if rows == 0:
         return lse, logp, draw, draw_logp
-    block_c = _block(size, 16, 256)
-    sizes = {"BLOCK_R": max(1, min(64, 4096 // block_c)), "BLOCK_C": block_c,
-             "BLOCK_T": _block(count, 1, 1 << 20), **(blocks or {})}
+    sizes = {**softmax_stats_blocks(size, count), **(blocks or {})}
     grid = (triton.cdiv(rows, sizes["BLOCK_R"]),)
     token_arg, token_strides = (lse, (0, 0)) if tokens is None else (tokens, tokens.stride())
     u_arg, u_strides = (logits, (0, 0)) if uniforms is None else (uniforms, uniforms.stride())
     logp_arg, logp_strides = (lse, (0, 0)) if logp is None else (logp, logp.stride())
-    kernels().stats[grid](logits, token_arg, u_arg, lse, logp_arg,
-                          lse if draw is None else draw, lse if draw_logp is None else draw_logp,
-                          rows, size, count, *logits.stride(), *token_strides, *u_strides,
-                          *lse.stride(), *logp_strides, HAS_TOKENS=tokens is not None,
-                          HAS_DRAW=uniforms is not None, **sizes)
+    launch(KernelLaunch(_softmax_stats_kernel, grid,
+                        (logits, token_arg, u_arg, lse, logp_arg,
+                         lse if draw is None else draw, lse if draw_logp is None else draw_logp,
+                         rows, size, count, *logits.stride(), *token_strides, *u_strides,
+                         *lse.stride(), *logp_strides),
+                        {"HAS_TOKENS": tokens is not None, "HAS_DRAW": uniforms is not None,
+                         **sizes}))
     return lse, logp, draw, draw_logp
 
 
 def softmax_mixture(weights: Tensor, logits: Tensor, lse: Tensor | None,
-                    blocks: dict[str, int] | None = None) -> Tensor:
+                    blocks: Blocks | None = None) -> Tensor:
     """``weights (F, S R, K)``, ``logits (S, F, K, C)``, ``lse (S, F, K)`` -> ``(F, S R, C)``."""
     fold, batch, units = weights.shape
     sets, size = logits.shape[0], logits.shape[-1]
@@ -173,12 +176,13 @@ def softmax_mixture(weights: Tensor, logits: Tensor, lse: Tensor | None,
         return out
     if units == 0:
         return out.zero_()
-    sizes = {"BLOCK_B": _block(per_set, 16, 64), "BLOCK_K": _block(units, 16, 32),
-             "BLOCK_C": _block(size, 16, 128), **(blocks or {})}
+    sizes = {**softmax_mixture_blocks(weights.dtype, per_set, units, size), **(blocks or {})}
     grid = (fold * sets * triton.cdiv(per_set, sizes["BLOCK_B"])
             * triton.cdiv(size, sizes["BLOCK_C"]),)
     lse_arg, lse_strides = (logits, (0, 0, 0)) if lse is None else (lse, lse.stride())
-    kernels().mixture[grid](weights, logits, lse_arg, out, sets, per_set, units, size,
-                            *weights.stride(), *logits.stride(), *lse_strides, *out.stride(),
-                            HAS_LSE=lse is not None, **sizes)
+    launch(KernelLaunch(_softmax_mixture_kernel, grid,
+                        (weights, logits, lse_arg, out, sets, per_set, units, size,
+                         *weights.stride(), *logits.stride(), *lse_strides, *out.stride()),
+                        {"HAS_LSE": lse is not None, "USE_DOT": uses_dot(weights.dtype),
+                         **sizes}))
     return out

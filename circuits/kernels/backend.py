@@ -13,6 +13,13 @@ torch otherwise: it never picks triton for CPU tensors. A forced ``TRITON`` on C
 possible only under triton's interpreter (``TRITON_INTERPRET=1``, how the tests run the kernels);
 anything else that makes triton impossible raises one :class:`KernelBackendError` that says why.
 
+``AUTO`` never crashes where torch would not. Every triton call site goes through
+:func:`run_triton`: under ``AUTO``, the first call of a kernel for a dtype on a device is its
+compile probe, and a kernel that fails to compile or launch there is recorded, announced once with
+a :class:`KernelFallbackWarning`, and replaced by the torch path from then on. ``AUTO`` also
+leaves triton releases older than :data:`OLDEST_TESTED_TRITON` (whose GPU compilation this project
+does not test) to torch. A forced ``TRITON`` gets neither safety net: its errors propagate.
+
 Triton is optional: nothing here imports it until a triton path is actually considered.
 """
 
@@ -21,9 +28,11 @@ from __future__ import annotations
 import contextvars
 import importlib
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -33,10 +42,30 @@ from circuits.errors import CircuitError
 ENV_VAR = "CIRCUITS_KERNELS"
 #: dtypes the triton kernels compute in (exactly, with no down-cast).
 TRITON_DTYPES = (torch.float32, torch.float64)
+#: The oldest triton release whose GPU compilation of every kernel is tested
+#: (``tests/test_kernels_cubin.py``, run against 3.6, 3.7 and the newest by
+#: ``scripts/triton_compat.sh``). ``AUTO`` leaves older releases to torch.
+OLDEST_TESTED_TRITON = (3, 6)
+Result = TypeVar("Result")
 
 
 class KernelBackendError(CircuitError, RuntimeError):
     """The requested kernel backend cannot run on these tensors (the message says why)."""
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """``AUTO`` chose torch instead of a triton kernel that cannot run here (the message says why)."""
+
+
+class TritonKernel(Enum):
+    """The triton kernels, as named in fallback records and warnings."""
+
+    LSE_MATMUL = "log-space sum layer (shared weights)"
+    LSE_MATVEC_ROWS = "log-space sum layer (per-row weights)"
+    LSE_MATMUL_BACKWARD = "log-space sum layer backward"
+    GUMBEL_SUM_CHOICE = "Gumbel-max sum child choice"
+    SOFTMAX_STATS = "softmax statistics"
+    SOFTMAX_MIXTURE = "softmax mixture"
 
 
 class KernelBackend(Enum):
@@ -51,6 +80,9 @@ _GLOBAL: KernelBackend | None = None
 _CONTEXT: contextvars.ContextVar[KernelBackend | None] = contextvars.ContextVar(
     "circuits_kernel_backend", default=None)
 _TRITON_IMPORT: dict[str, object] = {}  # cache: {"ok": bool, "error": str}
+#: (kernel, dtype, device) -> why its triton call failed under AUTO: torch runs it from then on
+_FAILED: dict[tuple[TritonKernel, torch.dtype, str], str] = {}
+_WARNED_OLD_TRITON: list[bool] = []
 
 
 def parse_backend(value: BackendLike) -> KernelBackend:
@@ -113,8 +145,29 @@ def triton_import_error() -> str | None:
 
 
 def reset_triton_import_cache() -> None:
-    """Forget the cached outcome of ``import triton`` (for tests that simulate its absence)."""
+    """Forget the cached outcome of ``import triton`` and every recorded kernel failure (for
+    tests that simulate its absence or a failing kernel)."""
     _TRITON_IMPORT.clear()
+    _FAILED.clear()
+    _WARNED_OLD_TRITON.clear()
+
+
+def triton_version() -> tuple[int, ...] | None:
+    """The installed triton's ``(major, minor)``, or ``None`` when it is not importable."""
+    if triton_import_error() is not None:
+        return None
+    import triton  # optional dependency: imported lazily
+
+    parts = []
+    for piece in triton.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def failed_kernels() -> dict[tuple[TritonKernel, torch.dtype, str], str]:
+    """The triton kernels ``AUTO`` has replaced by torch in this process, and why."""
+    return dict(_FAILED)
 
 
 def triton_available() -> bool:
@@ -170,8 +223,42 @@ def _triton_obstacle(tensors: tuple[Tensor, ...]) -> str | None:
     return f"triton kernels do not run on {device!r} tensors"
 
 
-def resolve_backend(*tensors: Tensor, backend: BackendLike | None = None) -> KernelBackend:
+def _all_on_cuda(tensors: tuple[Tensor, ...]) -> bool:
+    """Whether ``AUTO`` may consider triton at all: every operand is a CUDA tensor."""
+    return bool(tensors) and all(t.device.type == "cuda" for t in tensors)
+
+
+def _auto_obstacle(kernel: TritonKernel | None, tensors: tuple[Tensor, ...]) -> str | None:
+    """Why ``AUTO`` leaves these tensors to torch although triton could be tried, or ``None``."""
+    version = triton_version()
+    if version is not None and version < OLDEST_TESTED_TRITON:
+        if not _WARNED_OLD_TRITON:
+            _WARNED_OLD_TRITON.append(True)
+            oldest = ".".join(map(str, OLDEST_TESTED_TRITON))
+            warnings.warn(f"triton {'.'.join(map(str, version))} is older than {oldest}, the oldest "
+                          f"release whose GPU compilation of these kernels is tested: the torch "
+                          f"path runs instead (upgrade triton, or force "
+                          f"{ENV_VAR}=triton to try it anyway)", KernelFallbackWarning,
+                          stacklevel=4)
+        return "untested triton release"
+    if kernel is not None and tensors and _failure_key(kernel, tensors) in _FAILED:
+        return _FAILED[_failure_key(kernel, tensors)]
+    return None
+
+
+def _failure_key(kernel: TritonKernel, tensors: tuple[Tensor, ...]) -> tuple[TritonKernel, torch.dtype, str]:
+    floats = [t for t in tensors if t.is_floating_point()]
+    return kernel, (floats or list(tensors))[0].dtype, str(tensors[0].device)
+
+
+def resolve_backend(*tensors: Tensor, backend: BackendLike | None = None,
+                    kernel: TritonKernel | None = None) -> KernelBackend:
     """The backend that will run on ``tensors``: :attr:`~KernelBackend.TORCH` or ``TRITON``.
+
+    Args:
+        tensors: the operands (their devices and dtypes decide).
+        backend: force a backend for this call.
+        kernel: the triton kernel in question: ``AUTO`` skips one that already failed here.
 
     Raises:
         KernelBackendError: triton was forced but cannot run on these tensors.
@@ -180,8 +267,8 @@ def resolve_backend(*tensors: Tensor, backend: BackendLike | None = None) -> Ker
     if requested is KernelBackend.TORCH:
         return KernelBackend.TORCH
     if requested is KernelBackend.AUTO:
-        on_cuda = bool(tensors) and all(t.device.type == "cuda" for t in tensors)
-        if on_cuda and _triton_obstacle(tensors) is None:
+        if _all_on_cuda(tensors) and _triton_obstacle(tensors) is None \
+                and _auto_obstacle(kernel, tensors) is None:
             return KernelBackend.TRITON
         return KernelBackend.TORCH
     obstacle = _triton_obstacle(tensors)
@@ -190,6 +277,42 @@ def resolve_backend(*tensors: Tensor, backend: BackendLike | None = None) -> Ker
     return KernelBackend.TRITON
 
 
-def use_triton(*tensors: Tensor, backend: BackendLike | None = None) -> bool:
+def use_triton(*tensors: Tensor, backend: BackendLike | None = None,
+               kernel: TritonKernel | None = None) -> bool:
     """``resolve_backend(...) is KernelBackend.TRITON``: the one dispatch test of the library."""
-    return resolve_backend(*tensors, backend=backend) is KernelBackend.TRITON
+    return resolve_backend(*tensors, backend=backend, kernel=kernel) is KernelBackend.TRITON
+
+
+def run_triton(kernel: TritonKernel, tensors: tuple[Tensor, ...], call: Callable[[], Result],
+               backend: BackendLike | None = None) -> Result | None:
+    """Run ``call`` (the triton path of ``kernel`` on ``tensors``) when triton is selected.
+
+    Returns ``None`` when the caller should run its torch path instead: torch was selected, or
+    ``AUTO`` selected triton and ``call`` failed (a kernel that does not compile with this triton
+    release or GPU). That failure is recorded, so later ``AUTO`` calls of the kernel for this
+    dtype and device go straight to torch, and announced once with a
+    :class:`KernelFallbackWarning`. A forced triton backend propagates every error.
+    """
+    if not use_triton(*tensors, backend=backend, kernel=kernel):
+        return None
+    if requested_backend(backend) is not KernelBackend.AUTO:
+        return call()
+    try:
+        return call()
+    except Exception as error:  # compile errors differ by triton release: any failure falls back
+        record_failure(kernel, tensors, error)
+        return None
+
+
+def record_failure(kernel: TritonKernel, tensors: tuple[Tensor, ...], error: Exception) -> None:
+    """Remember that ``kernel`` failed on tensors like these under ``AUTO``, and warn once."""
+    key = _failure_key(kernel, tensors)
+    last_line = (str(error).strip().splitlines() or [""])[-1][:300]
+    reason = f"{type(error).__name__}: {last_line}"
+    if key not in _FAILED:
+        version = ".".join(map(str, triton_version() or ()))
+        warnings.warn(f"the triton kernel for the {kernel.value} failed for {key[1]} tensors on "
+                      f"{key[2]} with triton {version} ({reason}); the torch path runs it from "
+                      f"now on (set {ENV_VAR}=torch to skip triton altogether)",
+                      KernelFallbackWarning, stacklevel=3)
+    _FAILED[key] = reason

@@ -18,12 +18,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from circuits.errors import InvalidInputError
-from circuits.kernels.backend import BackendLike, KernelBackend, resolve_backend, use_backend
+from circuits.kernels.backend import (
+    BackendLike,
+    KernelBackend,
+    TritonKernel,
+    record_failure,
+    requested_backend,
+    run_triton,
+    use_backend,
+    use_triton,
+)
+
+
+def _fused() -> ModuleType:
+    """The triton launchers (imported only when a triton path runs: triton is optional)."""
+    from circuits.kernels import _triton
+
+    return _triton
 
 
 def _check_log_matmul(x: Tensor, logw: Tensor) -> None:
@@ -87,30 +104,49 @@ def log_matmul_backward(x: Tensor, logw: Tensor, out: Tensor, grad: Tensor,
 
 
 class TritonLogMatmul(torch.autograd.Function):
-    """Fused triton forward of :func:`log_matmul`; fused backward for shared weights."""
+    """Fused triton forward of :func:`log_matmul`; fused backward for shared weights.
+
+    ``apply(x, logw, auto)``: with ``auto`` (the ``AUTO`` backend chose triton) a backward kernel
+    that fails falls back to the torch math, as :func:`~circuits.kernels.backend.run_triton` does.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, logw: Tensor) -> Tensor:  # type: ignore[override]
-        from circuits.kernels import _triton  # optional dependency: imported lazily
-
-        launch = _triton.lse_matmul_shared if logw.dim() == 3 else _triton.lse_matvec_rows
+    def forward(ctx, x: Tensor, logw: Tensor, auto: bool = False) -> Tensor:  # type: ignore[override]
+        launch = _fused().lse_matmul_shared if logw.dim() == 3 else _fused().lse_matvec_rows
         out = launch(x, logw)
         ctx.save_for_backward(x, logw, out)
+        ctx.auto = auto
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, logw, out = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:2])
-        if logw.dim() == 3 and not torch.is_grad_enabled():
-            # fused: no (F, B, D) / (F, K, D) exponentials or (F, B, K) scales are written.
-            # Under create_graph (double backward) the differentiable torch math runs instead.
-            from circuits.kernels import _triton
-
+        kernel = TritonKernel.LSE_MATMUL_BACKWARD
+        fused = logw.dim() == 3 and not torch.is_grad_enabled() and (
+            not ctx.auto or use_triton(x, logw, kernel=kernel))
+        if fused:
+            # no (F, B, D) / (F, K, D) exponentials or (F, B, K) scales are written. Under
+            # create_graph (double backward) the differentiable torch math runs instead.
             x_max, w_max = _finite_max(x).squeeze(-1), _finite_max(logw).squeeze(-1)
-            return _triton.lse_matmul_shared_backward(x, logw, out, grad.contiguous(), x_max,
-                                                      w_max, needs)
-        return log_matmul_backward(x, logw, out, grad, needs)
+            try:
+                return (*_fused().lse_matmul_shared_backward(x, logw, out, grad.contiguous(),
+                                                             x_max, w_max, needs), None)
+            except Exception as error:
+                if not ctx.auto:
+                    raise
+                record_failure(kernel, (x, logw), error)
+        return (*log_matmul_backward(x, logw, out, grad, needs), None)
+
+
+def triton_log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = None) -> Tensor | None:
+    """The fused :func:`log_matmul` when triton is selected for it, else ``None`` (run torch).
+
+    Unchecked shapes: callers validate. Shared weights ``(F, K, D)`` or per-row ``(B, F, K, D)``.
+    """
+    kernel = TritonKernel.LSE_MATMUL if logw.dim() == 3 else TritonKernel.LSE_MATVEC_ROWS
+    auto = requested_backend(backend) is KernelBackend.AUTO
+    return run_triton(kernel, (x, logw), lambda: TritonLogMatmul.apply(x, logw, auto), backend)
 
 
 def log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = None) -> Tensor:
@@ -125,8 +161,9 @@ def log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = None) -> T
         (F, B, K); an all ``-inf`` row gives ``-inf`` with zero gradients, never NaN.
     """
     _check_log_matmul(x, logw)
-    if resolve_backend(x, logw, backend=backend) is KernelBackend.TRITON:
-        return TritonLogMatmul.apply(x, logw)
+    fused = triton_log_matmul(x, logw, backend)
+    if fused is not None:
+        return fused
     from circuits.compiled.layers import log_matmul as torch_log_matmul
 
     with use_backend(KernelBackend.TORCH):  # the layer's own dispatch must not pick triton
@@ -185,10 +222,10 @@ def sum_child_choice(logw: Tensor, unit: Tensor, x: Tensor | None, uniforms: Ten
     """
     _check_choice(logw, unit, x, uniforms)
     tensors = (logw, unit, uniforms) if x is None else (logw, unit, uniforms, x)
-    if resolve_backend(*tensors, backend=backend) is KernelBackend.TRITON:
-        from circuits.kernels import _triton  # optional dependency: imported lazily
-
-        return _triton.gumbel_sum_choice(logw, unit, x, uniforms)
+    fused = run_triton(TritonKernel.GUMBEL_SUM_CHOICE, tensors,
+                       lambda: _fused().gumbel_sum_choice(logw, unit, x, uniforms), backend)
+    if fused is not None:
+        return fused
     logits = rows_of(logw, unit.clamp(min=0))
     if x is not None:
         logits = logits + x
@@ -221,10 +258,10 @@ def choose_sum_children(choose: Callable[[Tensor], Tensor], logw: Tensor, unit: 
     """
     tensors = (logw, unit) if x is None else (logw, unit, x)
     if isinstance(choose, GumbelChooser) and \
-            resolve_backend(*tensors) is KernelBackend.TRITON:
+            use_triton(*tensors, kernel=TritonKernel.GUMBEL_SUM_CHOICE):
+        # the same uniforms either way: should AUTO fall back inside, torch draws the same child
         shape = (*unit.shape, logw.shape[-1])
-        return sum_child_choice(logw, unit, x, choose.uniforms(shape, unit.device),
-                                backend=KernelBackend.TRITON)
+        return sum_child_choice(logw, unit, x, choose.uniforms(shape, unit.device))
     logits = rows_of(logw, unit.clamp(min=0))
     if x is not None:
         logits = logits + x

@@ -19,14 +19,22 @@ log-normaliser ``-inf``, log-probabilities ``-inf`` and draws category 0.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from circuits.errors import InvalidInputError
-from circuits.kernels.backend import BackendLike, use_triton
+from circuits.kernels.backend import BackendLike, TritonKernel, run_triton
 from circuits.kernels.ops import gumbel_argmax
+
+
+def _fused() -> ModuleType:
+    """The triton launchers (imported only when a triton path runs: triton is optional)."""
+    from circuits.kernels import _triton_softmax
+
+    return _triton_softmax
 
 
 class SoftmaxStats(NamedTuple):
@@ -87,9 +95,10 @@ def softmax_stats(logits: Tensor, tokens: Tensor | None = None, uniforms: Tensor
     """
     _check_stats(logits, tokens, uniforms)
     tensors = tuple(t for t in (logits, tokens, uniforms) if t is not None)
-    if use_triton(*tensors, backend=backend):
-        from circuits.kernels import _triton_softmax  # optional dependency: imported lazily
-        return SoftmaxStats(*_triton_softmax.softmax_stats(logits, tokens, uniforms))
+    fused = run_triton(TritonKernel.SOFTMAX_STATS, tensors,
+                       lambda: _fused().softmax_stats(logits, tokens, uniforms), backend)
+    if fused is not None:
+        return SoftmaxStats(*fused)
     lse = torch.logsumexp(logits, -1)
     log_probs = None
     if tokens is not None:
@@ -139,9 +148,10 @@ def softmax_mixture(weights: Tensor, logits: Tensor, lse: Tensor | None = None,
     """
     _check_mixture(weights, logits, lse)
     tensors = (weights, logits) if lse is None else (weights, logits, lse)
-    if use_triton(*tensors, backend=backend):
-        from circuits.kernels import _triton_softmax  # optional dependency: imported lazily
-        return _triton_softmax.softmax_mixture(weights, logits, lse)
+    fused = run_triton(TritonKernel.SOFTMAX_MIXTURE, tensors,
+                       lambda: _fused().softmax_mixture(weights, logits, lse), backend)
+    if fused is not None:
+        return fused
     probs = (logits if lse is None else _safe_log_softmax(logits, lse)).exp()
     sets, fold, units, size = probs.shape
     batch = weights.shape[1]
