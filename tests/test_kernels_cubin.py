@@ -188,9 +188,10 @@ def _compile(case: Case, arch: int) -> str | None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_kernel_call_compiles_to_cubin(dtype: torch.dtype, arch: int) -> None:
     cases = CASES[dtype]
-    # compiling is CPU-bound and independent per call: one process per core
+    # compiling is CPU-bound and independent per call: one process per core ("spawn": forking
+    # a process that runs torch threads can deadlock)
     workers = max(1, min(len(os.sched_getaffinity(0)), 8))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         failures = [f for f in pool.map(_compile, cases, [arch] * len(cases)) if f is not None]
     assert not failures, (f"triton {triton.__version__}, sm_{arch}: {len(failures)} of "
                           f"{len(cases)} calls fail:\n" + "\n".join(failures))
