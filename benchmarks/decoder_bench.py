@@ -62,7 +62,7 @@ from transformers import LlamaForCausalLM
 from benchmarks.spec_tools import ForcedAcceptance
 from benchmarks.timing import write_json_atomic
 from circuits.compiled.circuit import LogParameters
-from circuits.kernels import KernelBackend, resolve_backend, use_backend
+from circuits.kernels import KernelBackend, failed_kernels, resolve_backend, use_backend
 from circuits_llm import data
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoder import (
@@ -364,6 +364,10 @@ def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str,
                     f"{entry['round_over_verify']['sampling']:.2f} (sampling)")
                 del head
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    # kernels AUTO replaced by torch during the run (a triton kernel that failed here): the
+    # "kernels" entry above is then only partly true, and this says where
+    machine["kernel_fallbacks"] = {f"{kernel.name} {dtype} {device}": why
+                                   for (kernel, dtype, device), why in failed_kernels().items()}
     return {
         "schema_version": SCHEMA_VERSION, "benchmark": "decoder_bench",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -88,6 +88,7 @@ def test_kernel_backend_is_recorded_and_an_impossible_one_is_refused() -> None:
     result = run_benchmark(small, log=lambda _line: None)
     assert result["machine"]["kernels"] == "torch" and result["machine"]["device"] == "cpu"
     assert result["config"]["kernels"] == "torch"
+    assert result["machine"]["kernel_fallbacks"] == {}
     if not kernels.interpreter_usable():
         # triton on CPU tensors needs TRITON_INTERPRET=1, and triton itself may be absent: the
         # one error says whichever applies
