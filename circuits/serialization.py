@@ -17,8 +17,10 @@ Format (version 1)::
      ]}
 
 ``inputs`` index earlier entries of ``layers``. Floats are written with full (round-trip) precision;
-non-finite values (``-inf`` marks exact zeros of :class:`~circuits.parameterizations.Exp` weights)
-are written as the strings ``"-inf"``, ``"inf"``, ``"nan"`` so that files are strict JSON.
+``-inf`` (an exact zero) is written as the string ``"-inf"`` so that files are strict JSON.
+Parameters must be valid (:mod:`circuits.compiled.validity`): no NaN, no ``+inf`` and at least one
+entry above ``-inf`` per row; a circuit with others is refused on writing, and a file holding them
+(``"nan"``, ``"inf"``, or a row of ``"-inf"``) on reading, naming the layer and the first bad index.
 Loaded parameters are float64 tensors. Every malformed input raises
 :class:`~circuits.errors.SerializationError` naming the offending entry.
 """
@@ -35,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuits.errors import CircuitError, SerializationError
+from circuits.compiled.validity import first_problem
+from circuits.errors import CircuitError, ParameterProblem, SerializationError
 from circuits.parameterizations import Exp, Parameterization, Softmax
 from circuits.symbolic import (
     Categorical,
@@ -78,6 +81,23 @@ def _tensor_to_lists(value: Tensor) -> list[list[float | str]]:
     return [[_encode(x) for x in row] for row in rows]
 
 
+def _invalid_values(values: Tensor) -> str | None:
+    """Where and how the ``(K, D)`` parameters ``values`` are invalid, e.g. ``"[1][2] is NaN"``."""
+    found = first_problem(values)
+    if found is None:
+        return None
+    index, problem = found
+    where = "".join(f"[{i}]" for i in index)
+    if problem is ParameterProblem.NO_MASS:
+        return f"{where} is -inf everywhere (unit {index[0]} has no mass)"
+    return f"{where} is {problem.value}"
+
+
+#: what a parameter may hold, appended to the errors about parameter values
+_VALID = ("a parameter must be a number or -inf (an exact zero), with at least one entry above -inf "
+          "in every row")
+
+
 def circuit_to_dict(circuit: Circuit, include_parameters: bool = True) -> dict[str, Any]:
     """A JSON-ready dictionary describing ``circuit`` (see the module docstring for the format).
 
@@ -109,6 +129,10 @@ def circuit_to_dict(circuit: Circuit, include_parameters: bool = True) -> dict[s
             raise SerializationError(f"cannot serialise {layer.describe()}: unknown layer type")
         if include_parameters and isinstance(layer, (InputLayer, SumLayer)) and \
                 layer.initial is not None:
+            problem = _invalid_values(layer.initial)
+            if problem is not None:
+                raise SerializationError(f"cannot serialise {layer.describe()}: its initial "
+                                         f"parameters{problem}; {_VALID}")
             entry["initial"] = _tensor_to_lists(layer.initial)
         index[layer] = len(entries)
         entries.append(entry)
@@ -164,8 +188,12 @@ def _initial(entry: dict[str, Any], where: str) -> Tensor | None:
     if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows) or \
             len({len(r) for r in rows}) != 1:
         raise SerializationError(f"{where}.initial must be a non-empty list of equally long lists")
-    values = [[_decode(x, f"{where}.initial") for x in row] for row in rows]
-    return torch.tensor(values, dtype=torch.float64)
+    values = torch.tensor([[_decode(x, f"{where}.initial") for x in row] for row in rows],
+                          dtype=torch.float64)
+    problem = _invalid_values(values)
+    if problem is not None:
+        raise SerializationError(f"{where}.initial{problem}; {_VALID}")
+    return values
 
 
 def _inputs(entry: dict[str, Any], where: str, built: list[Layer]) -> list[Layer]:

@@ -9,7 +9,8 @@
   multiplied in polynomial time (:func:`circuits.operations.multiply`).
 
 Each ``is_*`` predicate has a ``*_violations`` twin returning human-readable reasons;
-:func:`check` raises :class:`~circuits.errors.StructureError` naming the offending layer.
+:func:`check` raises :class:`~circuits.errors.StructureError` naming the offending layer. It also
+requires the variable ids to have no gap (:func:`variable_id_violations`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ def decomposability_violations(circuit: Circuit) -> list[str]:
                     break
                 seen[variable] = child.describe()
     return problems
+
+
+def variable_id_violations(circuit: Circuit) -> list[str]:
+    """Reasons why the variable ids of ``circuit`` are not ``0 .. num_variables - 1`` without gaps.
+
+    Data has one column per id up to the largest; an id that no input layer (integrated or not)
+    uses would be a column that the circuit silently ignores, usually a numbering mistake.
+    """
+    used = {layer.variable for layer in circuit.input_layers}
+    missing = sorted(set(range(circuit.num_variables)) - used)
+    if not missing:
+        return []
+    return [f"variable ids {missing} are missing: the input layers use {_fmt(frozenset(used))}, "
+            f"so data would have {circuit.num_variables} columns of which {len(missing)} no layer "
+            f"reads. Number the variables 0..{len(used) - 1} without gaps (or add input layers "
+            "for the missing ids)."]
 
 
 def _splits(circuit: Circuit) -> dict[Scope, dict[frozenset[Scope], ProductLayer]]:
@@ -114,11 +131,14 @@ def are_compatible(first: Circuit, second: Circuit) -> bool:
 
 
 def check(circuit: Circuit) -> None:
-    """Raise :class:`StructureError` unless ``circuit`` is smooth and decomposable.
+    """Raise :class:`StructureError` unless ``circuit`` is smooth and decomposable and its
+    variable ids have no gap.
 
-    These two properties make every query of :mod:`circuits.compiled` exact.
+    Smoothness and decomposability make every query of :mod:`circuits.compiled` exact; gap-free
+    ids make every data column one of the circuit's variables.
     """
-    problems = smoothness_violations(circuit) + decomposability_violations(circuit)
+    problems = (variable_id_violations(circuit) + smoothness_violations(circuit)
+                + decomposability_violations(circuit))
     if problems:
         raise StructureError("circuit is not valid for exact inference:\n- " + "\n- ".join(problems))
 
@@ -126,5 +146,5 @@ def check(circuit: Circuit) -> None:
 __all__ = [
     "are_compatible", "check", "compatibility_violations", "decomposability_violations",
     "is_decomposable", "is_smooth", "is_structured_decomposable", "smoothness_violations",
-    "structured_decomposability_violations",
+    "structured_decomposability_violations", "variable_id_violations",
 ]

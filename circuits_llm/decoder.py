@@ -16,6 +16,10 @@ already decided (emitted) but not cached. A round
 
 So after every round ``backbone.length == len(prompt) + len(output) - 1``.
 
+If the draft gives ``X_0 = c`` probability zero, the round is an autoregressive one (the same
+law: every draft would be rejected). Invalid head outputs or verifier logits raise a
+:class:`DecoderError` naming the tensor; so does a concurrent ``generate`` (not thread-safe).
+
 The round logic is a pure function of ``(p, q, draft)`` (:func:`round_law`) followed by
 :func:`transition`; the sampler and the exact-law enumerator of the tests both call them.
 """
@@ -34,6 +38,8 @@ from circuits.compiled import CompiledCircuit
 from circuits.compiled.circuit import LogParameters
 from circuits.compiled.queries import log_prefix_conditionals
 from circuits.compiled.sampling import conditional_sample, map_state
+from circuits.errors import InvalidInputError, ZeroProbabilityEvidenceError
+from circuits_llm.exclusive import exclusive
 from circuits_llm.metrics import DecodeResult, RoundKind, RoundStats, summarize
 from circuits_llm.protocols import (
     Backbone,
@@ -171,6 +177,7 @@ def draft_window(circuit: CompiledCircuit, params: dict[str, Tensor] | LogParame
     Sampling: an exact draw from ``q(X_1..X_{n-1} | X_0 = c)`` (``conditional_sample``).
     Greedy: the max-product completion (``map_state``); any deterministic draft is correct.
     ``params`` (batch 1) may be raw or prepared once per round by ``circuit.log_parameters``.
+    Raises :class:`~circuits.errors.ZeroProbabilityEvidenceError` when ``X_0 = c`` is impossible.
     """
     x, observed = _window_evidence(circuit, c, 1)
     if greedy:
@@ -202,6 +209,23 @@ def draft_conditionals(circuit: CompiledCircuit, params: dict[str, Tensor] | Log
     else:
         shared = {k: v.expand(rows, *v.shape[1:]) for k, v in params.items()}
     return log_prefix_conditionals(circuit, x, None, shared)[:, 1:].double().exp()
+
+
+#: how invalid verifier logits are named in errors
+VERIFIER_LOGITS = "the backbone's verifier logits"
+
+
+def _head_parameters(circuit: CompiledCircuit, params: object) -> LogParameters:
+    """The head's output for one round, checked and normalised once for the draft and ``q``.
+
+    The value check (:mod:`circuits.compiled.validity`) costs one host synchronisation per round;
+    a round synchronises anyway (its draft goes to the host), and this turns NaN/inf head outputs
+    into an error instead of garbage drafts.
+    """
+    try:
+        return circuit.log_parameters(params)  # type: ignore[arg-type]
+    except InvalidInputError as error:
+        raise DecoderError(f"the draft head's output for this round is unusable: {error}") from error
 
 
 def _now(device: torch.device) -> float:
@@ -283,7 +307,7 @@ class AutoregressiveDecoder:
                generator: torch.Generator | None) -> tuple[Transition, BackboneStep, RoundStats]:
         start = _now(self.device)
         step = self.backbone.extend(torch.tensor([[c]], device=self.device))
-        p = target_probs(step.verifier_logits[0, -1], config)
+        p = target_probs(step.verifier_logits[0, -1], config, VERIFIER_LOGITS)
         verified = _now(self.device)
         token = sample_token(p, config.greedy, generator)
         end = _now(self.device)
@@ -308,6 +332,10 @@ class AutoregressiveDecoder:
 
         Returns:
             :class:`DecodeResult`; ``tokens`` (T,) holds the new tokens only.
+
+        Raises:
+            DecoderError: bad arguments; invalid head outputs or verifier logits; or this decoder
+                (or its backbone) is already generating in another thread: not thread-safe.
         """
         prompt = self._prompt(input_ids)
         config = SamplingConfig(temperature, top_k, top_p)
@@ -315,6 +343,12 @@ class AutoregressiveDecoder:
                 or max_new_tokens < 0:
             raise DecoderError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         eos = self._eos(eos_token_id)
+        with exclusive(decoder=self, backbone=self.backbone):
+            return self._decode(prompt, max_new_tokens, config, generator, eos)
+
+    def _decode(self, prompt: list[int], max_new_tokens: int, config: SamplingConfig,
+                generator: torch.Generator | None, eos: set[int]) -> DecodeResult:
+        """The body of :meth:`generate` on checked arguments (run under :func:`exclusive`)."""
         backbone = self.backbone
         backbone.reset()
         hidden: Tensor | None = None
@@ -390,8 +424,11 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         t0 = _now(clock)
         params = self.head(hidden)
         t1 = _now(clock)
-        prepared = circuit.log_parameters(params)  # normalised once for the draft and q
-        draft = draft_window(circuit, prepared, c, config.greedy, generator)
+        prepared = _head_parameters(circuit, params)  # checked, normalised once for draft and q
+        try:
+            draft = draft_window(circuit, prepared, c, config.greedy, generator)
+        except ZeroProbabilityEvidenceError:  # q(X_0 = c) = 0: no draft; p_1 decides (same law)
+            return super()._round(c, hidden, config, generator)
         t2 = _now(clock)
         if config.greedy:  # a deterministic draft's law is a point mass on it
             q = torch.nn.functional.one_hot(draft, self.head.vocab_size).double()
@@ -399,7 +436,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             q = draft_conditionals(circuit, prepared, c, draft[None])[0]
         t3 = _now(clock)
         step = self.backbone.extend(torch.cat([draft.new_tensor([c]), draft])[None])
-        p = target_probs(step.verifier_logits[0], config)
+        p = target_probs(step.verifier_logits[0], config, VERIFIER_LOGITS)
         t4 = _now(clock)
         accepted, token = sample_outcome(round_law(p, q, draft), config.greedy, generator)
         move = transition(self.policy, draft.tolist(), accepted, token)

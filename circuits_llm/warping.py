@@ -33,6 +33,39 @@ class SamplingError(DecoderError):
     """A sampling option is out of its domain (the message names it and the valid range)."""
 
 
+class InvalidDistributionError(DecoderError):
+    """A token law cannot be sampled: logits holding NaN or ``+inf`` or only ``-inf`` (no token is
+    possible), or probabilities that are negative, non-finite or all zero. The message names the
+    row and, where there is one, the first offending index."""
+
+
+def check_logits(logits: Tensor, what: str = "logits") -> None:
+    """Raise :class:`InvalidDistributionError` unless every row of ``logits`` (..., V) has a finite
+    maximum, i.e. no NaN, no ``+inf`` and at least one entry above ``-inf``.
+
+    One reduction and one host synchronisation: once per call, paid so that a broken model or an
+    impossible filter is an error instead of an arbitrary token (argmax of NaN or of all ``-inf``
+    is index 0; softmax of them is NaN).
+    """
+    if logits.numel() == 0:
+        raise InvalidDistributionError(f"{what} are empty: there is no token to choose")
+    maxima = logits.detach().amax(-1)
+    if bool(torch.isfinite(maxima).all()):
+        return
+    row = tuple(int(i) for i in (~torch.isfinite(maxima)).nonzero()[0])
+    entries = logits.detach()[row]
+    wrong = torch.isnan(entries) | torch.isposinf(entries)
+    name = f"{what} (row {', '.join(map(str, row))})" if row else what
+    if bool(wrong.any()):
+        column = int(wrong.nonzero()[0, 0])
+        raise InvalidDistributionError(
+            f"{name} hold {float(entries[column])} at token {column}: the model's output is not "
+            "a valid score vector (NaN/inf usually mean a numerically broken model or input)")
+    raise InvalidDistributionError(
+        f"{name} are -inf for every token: no token is possible, so there is nothing to sample. "
+        "Check the logits processors or masks that removed every token")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target law is derived from the verifier's logits.
@@ -96,21 +129,47 @@ def warp_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
     return scores
 
 
-def target_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
+def target_probs(logits: Tensor, config: SamplingConfig, what: str = "logits") -> Tensor:
     """The target law for every row of ``logits``: (..., V) -> (..., V) float64 probabilities.
 
     Greedy: a one-hot vector on ``argmax`` (first maximum, like ``torch.argmax`` in HF's greedy
     search). Sampling: ``softmax(warp_logits(logits))`` computed in float64.
+
+    Raises:
+        InvalidDistributionError: a row of ``logits`` (greedy) or of the warped logits (sampling:
+            a tiny temperature can overflow) holds NaN or ``+inf`` or is ``-inf`` everywhere
+            (:func:`check_logits`; one host synchronisation per call); ``what`` names the
+            logits in that message.
     """
     if config.greedy:
+        check_logits(logits, what)
         index = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros(logits.shape, dtype=torch.float64, device=logits.device).scatter_(
             -1, index, 1.0)
-    return torch.softmax(warp_logits(logits, config).double(), dim=-1)
+    warped = warp_logits(logits, config)
+    check_logits(warped, what if config.temperature == 1.0 else
+                 f"{what} divided by temperature {config.temperature}")
+    return torch.softmax(warped.double(), dim=-1)
 
 
 def sample_token(probs: Tensor, greedy: bool, generator: torch.Generator | None) -> int:
-    """Draw one token from a (V,) probability vector (greedy: its argmax, no randomness used)."""
+    """Draw one token from a (V,) probability vector (greedy: its argmax, no randomness used).
+
+    ``probs`` may be unnormalised but must be finite, non-negative and not all zero, else
+    :class:`InvalidDistributionError` (instead of index 0, or a device-side assert in
+    ``torch.multinomial`` on CUDA). The check reads the sum and the minimum in one host
+    synchronisation; a greedy draw returns its argmax from the same one.
+    """
+    if probs.dim() != 1 or probs.numel() == 0:
+        raise InvalidDistributionError(f"a token law is a non-empty (V,) vector, got shape "
+                                       f"{tuple(probs.shape)}")
+    stats = [probs.sum(), probs.amin()] + ([probs.argmax()] if greedy else [])
+    values = torch.stack([v.double() for v in stats]).tolist()
+    total, lowest = values[0], values[1]
+    if not (math.isfinite(total) and total > 0 and lowest >= 0):
+        raise InvalidDistributionError(
+            f"cannot draw a token from probabilities with sum {total} and minimum {lowest}: they "
+            "must be finite, non-negative and not all zero (all zero: no token is possible)")
     if greedy:
-        return int(probs.argmax())
+        return int(values[2])
     return int(torch.multinomial(probs, 1, generator=generator))

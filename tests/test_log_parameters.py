@@ -8,7 +8,7 @@ from factories import random_circuit
 
 import circuits
 from circuits.compiled import CompiledCircuit, LogParameters
-from circuits.errors import InvalidInputError
+from circuits.errors import InvalidInputError, ZeroProbabilityEvidenceError
 
 
 def setup(seed: int) -> tuple[CompiledCircuit, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -45,6 +45,16 @@ def test_every_query_agrees_with_raw_parameters(seed: int) -> None:
     free[scope[0]] = True
     close(compiled.log_conditional(x, ~free, params=prepared),
           compiled.log_conditional(x, ~free, params=params))
+    possible = torch.isfinite(compiled.log_marginal(x, observed, params))
+    if not bool(possible.all()):  # evidence of probability zero: both forms raise
+        for use in (prepared, params):
+            with pytest.raises(ZeroProbabilityEvidenceError):
+                compiled.conditional_sample(x, observed, params=use)
+            with pytest.raises(ZeroProbabilityEvidenceError):
+                compiled.map_state(x, observed, use)
+        x, observed = x[possible], observed[possible]
+        params = {k: v[possible] for k, v in params.items()}
+        prepared = compiled.log_parameters(params)
     drawn = [compiled.conditional_sample(x, observed, torch.Generator().manual_seed(seed), use)
              for use in (prepared, params)]  # the same uniforms give the same samples
     assert torch.equal(drawn[0], drawn[1])

@@ -36,6 +36,7 @@ from torch import Tensor
 import circuits
 from circuits import Categorical, Circuit, Exp, InputLayer, ProductKind, ProductLayer, SumLayer
 from circuits import templates as tpl
+from circuits.errors import ZeroProbabilityEvidenceError
 
 ATOL = 1e-10
 RTOL = 1e-12
@@ -68,6 +69,19 @@ def random_rows(ex: Exact, rng: np.random.Generator, count: int, positive: bool)
 
 def random_mask(rng: np.random.Generator, count: int, num_variables: int) -> np.ndarray:
     return rng.random((count, num_variables)) < rng.random()
+
+
+def possible_rows(compiled: circuits.CompiledCircuit, ex: Exact, x: np.ndarray,
+                  mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``(x, mask)`` whose evidence has positive probability (brute force), after
+    checking that MAP on all rows raises ZeroProbabilityEvidenceError naming exactly the others."""
+    possible = np.array([ex.marginal(x[b], mask[b]) > 0 for b in range(len(x))], dtype=bool)
+    if not possible.all():
+        with pytest.raises(ZeroProbabilityEvidenceError, match=r"map_state.*probability zero") as info:
+            compiled.map_state(torch.tensor(x), torch.tensor(mask))
+        assert info.value.rows == tuple(int(i) for i in np.flatnonzero(~possible))
+        assert info.value.log_probability == -np.inf
+    return x[possible], mask[possible]
 
 
 # ------------------------------------------------------------------------ likelihood & partition
@@ -291,8 +305,9 @@ def test_map_state_is_exact_on_deterministic_circuits(circuit: Circuit, seed: in
     # with per-row evidence: the best completion of each row
     x = random_rows(ex, rng, 6, positive=False)
     mask = random_mask(rng, 6, circuit.num_variables)
+    x, mask = possible_rows(compiled, ex, x, mask)  # impossible evidence raises
     state, value = compiled.map_state(torch.tensor(x), torch.tensor(mask))
-    best = np.array([ex.values[ex.consistent(x[b], mask[b])].max() for b in range(6)])
+    best = np.array([ex.values[ex.consistent(x[b], mask[b])].max() for b in range(len(x))])
     assert_log_close(value, log(best))
     np.testing.assert_array_equal(state.numpy()[mask], x[mask])
     positive = best > 0
@@ -330,8 +345,9 @@ def test_map_state_is_the_best_induced_tree_on_any_circuit(circuit: Circuit, see
     x = random_rows(ex, rng, 6, positive=False)
     mask = random_mask(rng, 6, circuit.num_variables)
     mask[0] = False
+    x, mask = possible_rows(compiled, ex, x, mask)  # impossible evidence raises; row 0 stays
     state, value = compiled.map_state(torch.tensor(x), torch.tensor(mask))
-    expected = np.array([tree_best[ex.consistent(x[b], mask[b])].max() for b in range(6)])
+    expected = np.array([tree_best[ex.consistent(x[b], mask[b])].max() for b in range(len(x))])
     assert_log_close(value, log(expected))
     assert_log_close(value, log(reference_values(circuit, ex.raw, x, mask, semiring="max")))
     got_state = state.numpy()
@@ -574,7 +590,11 @@ def test_zero_probabilities_give_minus_inf_and_no_nan_gradients(seed: int,
     positive = torch.tensor(~zero)
     cond = compiled.log_prefix_conditionals(x[positive][:8])
     assert not torch.isnan(cond).any()
-    _state, value = compiled.map_state(x, mask)
+    possible = torch.isfinite(compiled.log_marginal(x, mask)).detach()
+    if not bool(possible.all()):
+        with pytest.raises(ZeroProbabilityEvidenceError):
+            compiled.map_state(x, mask)
+    _state, value = compiled.map_state(x[possible], mask[possible])
     assert not torch.isnan(value).any()
 
 

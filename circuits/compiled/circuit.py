@@ -24,20 +24,18 @@ from torch import Tensor, nn
 
 from circuits.compiled.folding import FoldKind, FoldPlan, plan_folds
 from circuits.compiled.layers import (
-    ExpWeights,
     FoldedInput,
     FoldedProduct,
     FoldedSum,
     Semiring,
     SoftmaxParts,
-    exp_weights,
     gather_inputs,
 )
+from circuits.compiled.prepared import LogParameters, ParamsLike, prepare
+from circuits.compiled.validity import check_parameters, parameter_tables
 from circuits.errors import InvalidInputError
 from circuits.structure import check
 from circuits.symbolic import Circuit, Layer
-
-Params = Mapping[str, Tensor]
 
 
 @dataclass(frozen=True)
@@ -75,63 +73,6 @@ class Trace:
     sum_inputs: dict[int, Tensor] = field(default_factory=dict)
     log_params: dict[int, Tensor | SoftmaxParts] = field(default_factory=dict)
     sum_parts: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, eq=False)  # identity equality: tensors have no truth value
-class LogParameters:
-    """Every parameterised fold's normalised log-parameters, computed once for several queries.
-
-    Made by :meth:`CompiledCircuit.log_parameters`; every query accepts it in place of a raw
-    ``params`` mapping and then skips the parameterisation (e.g. a log-softmax over a
-    vocabulary) that it would otherwise recompute. ``values[fold_id]`` is ``(F, K, D)`` for the
-    module's own parameters or ``(S, F, K, D)`` for external ones; ``batch`` is ``S`` (None when
-    every fold uses the module's own). Differentiable when the raw parameters were. Where the
-    triton kernels run on gradient-free softmax logits, an input fold's entry is a
-    :class:`~circuits.compiled.layers.SoftmaxParts` instead of the log-softmax table.
-    """
-
-    values: dict[int, Tensor | SoftmaxParts]
-    batch: int | None
-    #: tensors derived from ``values`` (gradient-free), filled on demand by the methods below:
-    #: ``("probs", fold_id)`` and ``("exp_weights", fold_id)``.
-    derived: dict[tuple[str, int], object] = field(default_factory=dict, repr=False)
-
-    def probs(self, fold_id: int) -> Tensor:
-        """``exp(values[fold_id])`` of an input fold, computed once (no gradient)."""
-        key = ("probs", fold_id)
-        if key not in self.derived:
-            table = self.values[fold_id]
-            if isinstance(table, SoftmaxParts):
-                table = table.log_probs()
-            self.derived[key] = table.detach().exp()
-        return self.derived[key]  # type: ignore[return-value]
-
-    def exp_weights(self, fold_id: int) -> ExpWeights:
-        """:func:`~circuits.compiled.layers.exp_weights` of a sum fold, computed once."""
-        key = ("exp_weights", fold_id)
-        if key not in self.derived:
-            table = self.values[fold_id]
-            assert isinstance(table, Tensor), "sum folds always hold tensors"
-            self.derived[key] = exp_weights(table.detach())
-        return self.derived[key]  # type: ignore[return-value]
-
-    def expand(self, sets: int) -> LogParameters:
-        """These single-set parameters seen as ``sets`` sets (stride-0 views, no copy)."""
-        if self.batch in (None, sets):
-            return self
-        if self.batch != 1:
-            raise InvalidInputError(f"only one parameter set can be expanded, not {self.batch}")
-        values: dict[int, Tensor | SoftmaxParts] = {}
-        for key, value in self.values.items():
-            if isinstance(value, SoftmaxParts):
-                values[key] = value.expand(sets)
-            else:
-                values[key] = value.expand(sets, *value.shape[1:]) if value.dim() == 4 else value
-        return LogParameters(values, sets)
-
-
-#: what every query accepts as parameters: raw external tensors or prepared log-parameters.
-ParamsLike = Params | LogParameters
 
 
 class CompiledCircuit(nn.Module):
@@ -209,21 +150,24 @@ class CompiledCircuit(nn.Module):
                         batch_size: int | None) -> dict[str, Tensor] | LogParameters:
         """Check an external-parameter mapping; returns it as a dict (empty when None).
 
-        A :class:`LogParameters` is returned as it is once its batch matches ``batch_size``.
+        Names, shapes and batch sizes, then the *values* the query will use: the mapping's and
+        the module's own parameters of the folds it leaves out (:mod:`~circuits.compiled.validity`:
+        NaN, +inf or a row without mass raise :class:`~circuits.errors.InvalidParameterError`
+        naming the tensor, layer and first offending index). That costs one reduction per fold and
+        one host synchronisation, so every query calls this once. A :class:`LogParameters` is
+        returned as it is (checked when made) once its batch matches ``batch_size``.
         """
-        if params is None:
-            return {}
         if isinstance(params, LogParameters):
             if params.batch is not None and batch_size is not None and params.batch != batch_size:
                 raise InvalidInputError(
                     f"the log-parameters hold {params.batch} parameter sets but the data has "
                     f"{batch_size} rows; give one parameter set per data row")
             return params
-        if not isinstance(params, Mapping):
+        if params is not None and not isinstance(params, Mapping):
             raise InvalidInputError(
                 f"params must be a mapping from fold names to tensors, got {type(params).__name__}")
         checked: dict[str, Tensor] = {}
-        for name, value in params.items():
+        for name, value in (params or {}).items():
             spec = self.specs.get(name)
             if spec is None:
                 raise InvalidInputError(
@@ -240,6 +184,7 @@ class CompiledCircuit(nn.Module):
                     f"params[{name!r}] has {value.shape[0]} rows but the data has {batch_size}; "
                     "give one parameter set per data row")
             checked[name] = value
+        check_parameters(parameter_tables(self.plans, self.folds, checked))
         return checked
 
     def params_batch_size(self, params: Mapping[str, Tensor] | LogParameters) -> int | None:
@@ -259,18 +204,7 @@ class CompiledCircuit(nn.Module):
         checked = self.validate_params(params, None)
         if isinstance(checked, LogParameters):
             return checked
-        values: dict[int, Tensor | SoftmaxParts] = {}
-        for plan, module in zip(self.plans, self.folds, strict=True):
-            if isinstance(module, FoldedInput):
-                raw = checked.get(plan.name)
-                if module.lazy_softmax(raw):
-                    assert raw is not None
-                    values[plan.fold_id] = module.softmax_parts(raw)
-                else:
-                    values[plan.fold_id] = module.log_probs(raw)
-            elif isinstance(module, FoldedSum):
-                values[plan.fold_id] = module.log_weights(checked.get(plan.name))
-        return LogParameters(values, self.params_batch_size(checked))
+        return prepare(self.plans, self.folds, checked, self.params_batch_size(checked))
 
     def validate_data(self, x: Tensor, observed: Tensor | None = None,
                       check_range: bool = True) -> tuple[Tensor, Tensor]:
@@ -448,8 +382,14 @@ def compile(circuit: Circuit, *, fold: bool = True, dtype: torch.dtype = torch.f
         device: where the module lives (``"cpu"``, ``"cuda"``...).
         seed: seeds the random initialisation of layers without ``initial`` parameters.
         validate: run :func:`circuits.structure.check` first (raises StructureError).
+
+    Raises:
+        InvalidParameterError: a parameter (after the cast to ``dtype``) is NaN or +inf, or a
+            row of them is all -inf; the message names the fold, layer and first bad index.
     """
     if dtype not in (torch.float32, torch.float64):
         raise InvalidInputError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     module = CompiledCircuit(circuit, fold=fold, seed=seed, validate=validate)
-    return module.to(dtype=dtype, device=device)
+    module = module.to(dtype=dtype, device=device)
+    module.validate_params(None, None)  # NaN, +inf or no-mass parameters (e.g. from `initial`)
+    return module

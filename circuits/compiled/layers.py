@@ -331,7 +331,7 @@ def log_matmul(inputs: Tensor, log_weights: Tensor, weights: ExpWeights | None =
         log_weights: (F, K, D) shared by the batch, or (S, F, K, D): one set per group of
             ``B // S`` consecutive rows (``S = B``: one set per row).
         weights: :func:`exp_weights` of ``log_weights`` when already computed (e.g. cached by
-            :class:`~circuits.compiled.circuit.LogParameters` for several passes).
+            :class:`~circuits.compiled.prepared.LogParameters` for several passes).
         keep: when given, the gradient-free torch path stores its shifted linear-domain operands
             there: ``probs = exp(inputs - max)`` (F, B, D) and ``total = probs W^T`` (F, B, K),
             for a derivative pass (:mod:`circuits.compiled.derivatives`).

@@ -24,6 +24,7 @@ from torch import Tensor
 from circuits.compiled.circuit import CompiledCircuit, LogParameters, ParamsLike, Trace
 from circuits.compiled.derivatives import input_gradients
 from circuits.compiled.layers import FoldedInput, SoftmaxParts
+from circuits.compiled.prepared import prepare
 from circuits.errors import InvalidInputError
 from circuits.kernels.softmax import softmax_mixture
 
@@ -60,7 +61,8 @@ def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
     """
     batch = x.shape[0]
     with torch.no_grad():
-        prepared = params if isinstance(params, LogParameters) else circuit.log_parameters(params)
+        prepared = params if isinstance(params, LogParameters) else prepare(
+            circuit.plans, circuit.folds, params, circuit.params_batch_size(params))  # checked
         trace = Trace()
         root = circuit.evaluate(x, observed, prepared, trace=trace)
         grads = input_gradients(circuit, trace, prepared)

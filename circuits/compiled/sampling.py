@@ -29,6 +29,7 @@ from torch import Tensor
 from circuits.compiled.circuit import CompiledCircuit, LogParameters, ParamsLike, Trace
 from circuits.compiled.folding import FoldKind
 from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring, SoftmaxParts
+from circuits.compiled.validity import check_evidence
 from circuits.errors import InvalidInputError
 from circuits.kernels import GumbelChooser, choose_sum_children
 from circuits.symbolic import ProductKind
@@ -198,11 +199,15 @@ def conditional_sample(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
 
     Returns:
         (B, V) long; variables outside the circuit's scope are -1.
+
+    Raises:
+        ZeroProbabilityEvidenceError: some row's evidence has probability zero (there is no
+            posterior to sample from); the error names the rows and the log-probability.
     """
     x, observed = circuit.validate_data(x, observed)
     checked = circuit.validate_params(params, x.shape[0])
     trace = Trace()
-    circuit.evaluate(x, observed, checked, trace=trace)
+    check_evidence(circuit.evaluate(x, observed, checked, trace=trace), "conditional_sample")
     return descend(circuit, trace, x, observed, gumbel_chooser(generator))
 
 
@@ -250,21 +255,28 @@ def map_state(circuit: CompiledCircuit, x: Tensor | None = None, observed: Tenso
 
     Returns:
         ``(state (B, V) long, log_value (B,))``.
+
+    Raises:
+        ZeroProbabilityEvidenceError: some row's evidence has probability zero (every
+            completion is impossible, so none is most probable).
     """
-    checked = circuit.validate_params(params, None)
-    if x is None:
+    if x is None:  # the parameters fix the batch
+        checked = circuit.validate_params(params, None)
         batch = circuit.params_batch_size(checked)
-        batch = 1 if batch is None else batch
-        x = torch.zeros(batch, circuit.num_variables, dtype=torch.long,
+        x = torch.zeros(1 if batch is None else batch, circuit.num_variables, dtype=torch.long,
                         device=circuit.categories.device)
         if observed is None:
             observed = torch.zeros_like(x, dtype=torch.bool)
-    if observed is None:
-        observed = torch.zeros(circuit.num_variables, dtype=torch.bool, device=x.device)
-    x, observed = circuit.validate_data(x, observed)
-    checked = circuit.validate_params(params, x.shape[0])
+        x, observed = circuit.validate_data(x, observed)
+    else:
+        if observed is None:
+            observed = torch.zeros(circuit.num_variables, dtype=torch.bool,
+                                   device=circuit.categories.device)
+        x, observed = circuit.validate_data(x, observed)
+        checked = circuit.validate_params(params, x.shape[0])
     trace = Trace()
     value = circuit.evaluate(x, observed, checked, semiring=Semiring.MAX, trace=trace)
+    check_evidence(value, "map_state")
     return descend(circuit, trace, x, observed, argmax_chooser), value
 
 
