@@ -10,8 +10,9 @@ wall-time speed-ups over the autoregressive baseline and the FF (independence) h
 Tokens of the byte-level models are bytes, so throughput is reported in bytes per second.
 
 :func:`write_tradeoff_plot` draws accepted length against latency per round with dotted
-iso-throughput lines, like the paper's Figure 1. Every file is written atomically (a temporary
-file in the same directory, then ``os.replace``): a crash leaves the previous file or none.
+iso-throughput lines, like the paper's Figure 1. Every file is written atomically by
+:func:`atomic_write` (a temporary file in the same directory, ``fsync``, then ``os.replace``): a
+crash leaves the previous file or none. The checkpoints and run records of training use it too.
 """
 
 from __future__ import annotations
@@ -185,8 +186,11 @@ def check_report(report: Any) -> None:
 def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it over ``path``.
 
-    The temporary file keeps ``path``'s suffix (so writers that infer a format from it work) and
-    is removed if anything fails: ``path`` then holds its previous content, or does not exist.
+    The temporary file keeps ``path``'s suffix (so writers that infer a format from it work), is
+    flushed to the disk (``fsync``) before the rename, and is removed if anything fails: ``path``
+    then holds its previous content, or does not exist. After the rename the directory is synced
+    too, so the new name survives a power loss. A full disk surfaces here as an ``OSError``
+    (``ENOSPC``) from ``write`` or from the ``fsync``, with ``path`` untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,11 +200,23 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
     tmp = Path(name)
     try:
         write(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if os.name == "posix":  # directories cannot be opened for fsync elsewhere
+        _fsync(path.parent)
     return path
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file or, on POSIX, a directory) to the disk."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def write_json(report: Mapping[str, Any], path: Path) -> Path:

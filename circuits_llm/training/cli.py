@@ -9,8 +9,15 @@ Data-parallel on CPU: ``torchrun --nproc_per_node=2 -m circuits_llm train-head .
 ``--batch-size`` is split across the processes). ``--device`` takes the shared forms of
 :mod:`circuits_llm.devices` (default ``cpu``, as before: resumable runs and CPU data-parallel runs
 keep their device unless asked); under torchrun ``cuda`` and ``auto`` mean ``cuda:LOCAL_RANK``, one
-GPU per process. Input problems end the command with one line
-``circuits-llm train-head: error: ...`` on stderr and exit status 2.
+GPU per process.
+
+Every failure ends the command with one line ``circuits-llm train-head: error: ...`` on stderr
+that says what was wrong and what to do: exit status 2 for input problems (arguments, a model or
+corpus that does not fit, a corrupt or foreign checkpoint, a run directory locked by a live run)
+and 1 when training itself fails (non-finite loss, a write that failed, e.g. on a full disk). The
+first SIGINT / SIGTERM finishes the step, writes a checkpoint, prints how to resume and exits 130
+/ 143; a second one exits at once with the same status. ``--resume-from FILE`` resumes from
+another checkpoint of the run (e.g. ``checkpoint.prev.pt`` when the latest fails its checksum).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,18 +36,52 @@ from circuits_llm.devices import DeviceError, DeviceSpec, add_device_argument, r
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
 
 EMBEDDED = "embedded"
+_PROGRAM = "circuits-llm train-head"
+#: Exit status of a run that failed while training (input problems exit 2).
+TRAINING_FAILED = 1
+
+
+def _weights_error(directory: Path, error: Exception, advice: str) -> TrainingConfigError:
+    """The one-line error for a model directory whose safetensors weights cannot be read."""
+    files = sorted(path.name for path in directory.glob("*.safetensors"))
+    which = files[0] if len(files) == 1 else "a *.safetensors file"
+    return TrainingConfigError(f"{which} in {directory} is corrupt or truncated ({error}); {advice}")
 
 
 def load_model(spec: str, device: torch.device) -> Any:
-    """``"embedded"`` -> the packaged byte-level Llama; otherwise a local HF model directory."""
+    """``"embedded"`` -> the packaged byte-level Llama; otherwise a local HF model directory.
+
+    Hugging Face's weight-loading progress bar is switched off meanwhile: a failed command's
+    stderr is its one error line.
+    """
+    from transformers.utils import logging as hf_logging
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return _load(spec).to(device).eval()
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _load(spec: str) -> Any:
+    """The model named by ``--model`` (see :func:`load_model`), on the CPU."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    from circuits_llm.embedded import EmbeddedModelMissingError, load_embedded_model
+    from circuits_llm.embedded import (
+        EMBEDDED_MODEL_DIR,
+        EmbeddedModelMissingError,
+        load_embedded_model,
+    )
     if spec == EMBEDDED:
         try:
             model = load_embedded_model()
         except EmbeddedModelMissingError as error:
             raise TrainingConfigError(str(error)) from None
+        except SafetensorError as error:
+            raise _weights_error(EMBEDDED_MODEL_DIR, error, "reinstall circuits-llm, or re-export "
+                                 "the model with `circuits-llm export-model`") from None
     else:
         path = Path(spec)
         if not path.is_dir():
@@ -47,10 +89,13 @@ def load_model(spec: str, device: torch.device) -> Any:
                                       "Hugging Face model directory)")
         try:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        except SafetensorError as error:
+            raise _weights_error(path, error, f"copy or export the model to --model {spec} "
+                                 "again") from None
         except (OSError, ValueError) as error:
             raise TrainingConfigError(f"--model {spec}: cannot load a causal LM ({error})") \
                 from None
-    return model.to(device).eval()
+    return model
 
 
 def _device(spec: DeviceSpec | str) -> torch.device:
@@ -76,8 +121,11 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
 
 def _train_head(args: argparse.Namespace) -> int:
     from circuits.errors import CircuitError
-    from circuits_llm.checkpoint import CheckpointError
-    from circuits_llm.training.loop import train_head
+    from circuits_llm.checkpoint import CheckpointError, CheckpointWriteError
+    from circuits_llm.training.lock import RunDirectoryBusy
+    from circuits_llm.training.loop import CHECKPOINT_FILE, train_head
+    from circuits_llm.training.signals import TrainingInterrupted
+    from circuits_llm.training.trainer import NonFiniteTrainingError
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
@@ -87,9 +135,21 @@ def _train_head(args: argparse.Namespace) -> int:
         result = train_head(model, config, args.run_dir,
                             max_seconds=None if minutes is None else minutes * 60,
                             max_steps=args.max_steps, progress=not args.no_progress,
-                            corpus_root=args.corpus_root)
-    except (TrainingConfigError, CheckpointError, CircuitError, DeviceError) as error:
-        print(f"circuits-llm train-head: error: {error}", file=sys.stderr)
+                            corpus_root=args.corpus_root, resume_from=args.resume_from,
+                            handle_signals=True)
+    except TrainingInterrupted as stop:
+        print(f"{_PROGRAM}: {stop}", file=sys.stderr)
+        return stop.exit_status
+    except KeyboardInterrupt:  # before training installed its handlers: nothing was written
+        print(f"{_PROGRAM}: interrupted by SIGINT while starting; nothing was written",
+              file=sys.stderr)
+        return 128 + int(signal.SIGINT)
+    except (NonFiniteTrainingError, CheckpointWriteError, OSError) as error:
+        print(f"{_PROGRAM}: error: {error}", file=sys.stderr)
+        return TRAINING_FAILED
+    except (TrainingConfigError, CheckpointError, CircuitError, DeviceError,
+            RunDirectoryBusy) as error:
+        print(f"{_PROGRAM}: error: {error}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         summary = {"run_dir": str(result.run_dir), "step": result.step,
@@ -99,6 +159,12 @@ def _train_head(args: argparse.Namespace) -> int:
                                             "final": result.validation.mean_bits},
                    "validation_bits_per_position": list(result.validation.bits)}
         print(json.dumps(summary, indent=2))
+    if result.interrupted_by is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{_PROGRAM}: stopped by {result.interrupted_by.name} after step {result.step}; "
+                  f"the checkpoint is in {result.run_dir / CHECKPOINT_FILE}; run the same command "
+                  "again to resume", file=sys.stderr)
+        return 128 + int(result.interrupted_by)
     return 0
 
 
@@ -138,6 +204,9 @@ def add_train_head_command(sub: Any) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the backbone forward")
     p.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in total")
+    p.add_argument("--resume-from", type=Path, default=None,
+                   help="resume from this checkpoint file instead of RUN_DIR/checkpoint.pt (e.g. "
+                        "RUN_DIR/checkpoint.prev.pt when the latest fails its checksum)")
     add_device_argument(p, default="cpu",
                         note="Under torchrun, cuda and auto mean cuda:LOCAL_RANK (one GPU per process).")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")

@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from circuits_llm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from circuits_llm.data import Split, corpus_files, pack
+from circuits_llm.data import Split, corpus_files, pack, stdlib_root
 from circuits_llm.decoder import AutoregressiveDecoder
 from circuits_llm.training.build import model_fingerprint
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
@@ -54,17 +54,44 @@ class SequenceSet:
         return self.sequences[index], mask
 
 
+def _split_stream(split: Split, root: Path, max_bytes: int | None) -> Tensor:
+    """The packed stream of ``split`` of the corpus at ``root`` (a clear error when it is empty)."""
+    name, share = {Split.TRAIN: ("training", "about 90%"),
+                   Split.VALIDATION: ("validation", "about 5%")}[split]
+    files = corpus_files(split, root)
+    if not files:
+        raise TrainingConfigError(
+            f"the corpus {root} has no {name} files (.py files whose path hash puts them in the "
+            f"{split.value} split: {share} of them); give --corpus-root a directory with more "
+            ".py files")
+    return pack(files, max_bytes=max_bytes)
+
+
 def _streams(config: HeadTrainingConfig, root: Path | None) -> tuple[Tensor, Tensor]:
-    """The packed training stream (capped at ``max_train_bytes``) and validation stream."""
-    train = pack(corpus_files(Split.TRAIN, root), max_bytes=config.max_train_bytes)
-    if train.numel() < config.seq_len + 1:
-        raise TrainingConfigError(f"the training stream has {train.numel()} tokens, fewer than "
-                                  f"one sequence of {config.seq_len} + 1; raise max_train_bytes")
+    """The packed training stream (capped at ``max_train_bytes``) and validation stream.
+
+    Raises:
+        TrainingConfigError: the corpus directory is missing, a split has no files, or a split
+            is too short for one training sequence or ``eval_windows`` validation sequences;
+            the message names the corpus and what to change.
+    """
+    root = stdlib_root() if root is None else Path(root)
+    if not root.is_dir():
+        raise TrainingConfigError(f"the corpus directory {root} does not exist; give --corpus-root "
+                                  "a directory of .py files")
+    train = _split_stream(Split.TRAIN, root, config.max_train_bytes)
+    if train.numel() < config.seq_len + 1:  # max_train_bytes >= seq_len + 1: the corpus is short
+        raise TrainingConfigError(
+            f"the training split of the corpus {root} has {train.numel()} tokens, fewer than one "
+            f"sequence of seq_len + 1 = {config.seq_len + 1}; add .py files to the corpus or "
+            "lower --seq-len")
     needed = config.eval_windows * config.seq_len
-    validation = pack(corpus_files(Split.VALIDATION, root), max_bytes=needed)
+    validation = _split_stream(Split.VALIDATION, root, needed)
     if validation.numel() < needed:
-        raise TrainingConfigError(f"the validation split has {validation.numel()} tokens, fewer "
-                                  f"than eval_windows * seq_len = {needed}")
+        raise TrainingConfigError(
+            f"the validation split of the corpus {root} has {validation.numel()} tokens, fewer "
+            f"than eval_windows * seq_len = {needed}; lower --eval-windows or --seq-len, or add "
+            ".py files to the corpus")
     return train, validation
 
 

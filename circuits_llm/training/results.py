@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,8 @@ class HeadTrainingResult:
         validation: validation of the exported head.
         history: one dict per validation: step, tokens, mean train loss since the previous one,
             and the validation record.
+        interrupted_by: the signal that stopped this call early (``handle_signals``); the
+            checkpoint holds the state reached, the export is not refreshed. None otherwise.
     """
 
     run_dir: Path
@@ -110,6 +113,7 @@ class HeadTrainingResult:
     initial_validation: PositionValidation
     validation: PositionValidation
     history: list[dict[str, Any]]
+    interrupted_by: signal.Signals | None = None
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:

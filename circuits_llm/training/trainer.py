@@ -1,0 +1,422 @@
+"""One head-training run in one process: :class:`Trainer` (steps, validation, checkpoints).
+
+One step (MTPC paper Sec. 4.1): draw ``batch_size`` sequences, run the frozen backbone
+(``HFBackbone.hidden_states``: (B, L, d) draft hidden states, through the LoRA branch when
+``lora_layers > 0``), evaluate :func:`circuits_llm.loss.mtp_loss` (every position starts a
+window, slot ``j`` weighted ``gamma^(j-1)``, per valid token normalisation), and take one AdamW
+step on the head's and the LoRA parameters at a constant learning rate.
+
+Nothing poisoned is kept (:class:`NonFiniteTrainingError`, naming the step and the last good
+checkpoint): head outputs that the circuit refuses (NaN, +inf, a distribution or sum unit with no
+mass: :class:`~circuits.errors.InvalidParameterError`) and a NaN or infinite global loss or
+gradient norm stop before the optimiser step; a non-finite parameter stops before a checkpoint is
+written. The checks only read tensors, so a run stays bit-identical to one without them. Under
+DDP the loss and gradient checks see all-reduced values, so every rank stops at the same step; an
+invalid output is seen by the rank that computed it, whose exit makes torchrun stop the others
+(rank 0 cannot have saved the step: it waits for that rank's gradients).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from circuits.errors import InvalidParameterError, ParameterProblem
+from circuits_llm.backbone import HFBackbone
+from circuits_llm.checkpoint import CheckpointError, CheckpointWriteError, save_checkpoint
+from circuits_llm.heads import MTPHead
+from circuits_llm.heads.io import head_tensors
+from circuits_llm.loss import default_gamma, mtp_loss
+from circuits_llm.training.build import (
+    build_backbone,
+    build_head,
+    head_fingerprint,
+    model_fingerprint,
+)
+from circuits_llm.training.config import HeadTrainingConfig
+from circuits_llm.training.datasets import SequenceSet
+from circuits_llm.training.distributed import DistributedContext
+from circuits_llm.training.results import (
+    HeadTrainingResult,
+    PositionValidation,
+    export_run,
+    record_config,
+)
+from circuits_llm.training.resume import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_KIND,
+    check_config,
+    checkpoint_source,
+    read_state,
+)
+from circuits_llm.training.signals import StopSignals, TrainingInterrupted
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """The loss, the gradients or the parameters became NaN or infinite (the message names the
+    step and the last good checkpoint, which is kept)."""
+
+
+class DraftModel(nn.Module):
+    """The trainable part of the draft model: the head and the LoRA draft layers.
+
+    ``forward(tokens (B, L), mask (B, L) or None) -> (loss, nll_sum (n,), count (n,))``. The
+    frozen LM is reached through the backbone but not registered as a sub-module, so DDP only
+    sees (and synchronises) the head and the draft layers.
+    """
+
+    def __init__(self, backbone: HFBackbone, head: MTPHead, gamma: float, bf16: bool) -> None:
+        super().__init__()
+        self.head = head
+        self.draft_layers = backbone.draft_layers
+        self._backbone = (backbone,)
+        self.gamma = gamma
+        self.bf16 = bf16
+
+    def hidden(self, tokens: Tensor) -> Tensor:
+        """(B, L) tokens -> (B, L, d) float32 draft hidden states."""
+        backbone = self._backbone[0]
+        with torch.autocast(device_type=backbone.device.type, dtype=torch.bfloat16,
+                            enabled=self.bf16):
+            _, hidden = backbone.hidden_states(tokens)
+        return hidden.float()
+
+    def forward(self, tokens: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        out = mtp_loss(self.head, self.hidden(tokens), tokens, mask, self.gamma)
+        return out.loss, out.nll_sum, out.count
+
+
+class Trainer:
+    """The state of one run in one process (see :func:`train_head`)."""
+
+    def __init__(self, model: PreTrainedModel, config: HeadTrainingConfig, run_dir: Path,
+                 context: DistributedContext, progress: bool) -> None:
+        self.model, self.config, self.run_dir, self.context = model, config, run_dir, context
+        self.progress = progress and context.is_writer
+        torch.manual_seed(config.seed)  # the LoRA initialisation draws from the global RNG
+        self.backbone = build_backbone(model, config)
+        self.head = build_head(config, self.backbone)
+        self.device = self.backbone.device
+        self.gamma = default_gamma(config.window) if config.gamma is None else config.gamma
+        self.draft = DraftModel(self.backbone, self.head, self.gamma, config.bf16)
+        self.parameters = [p for p in self.head.parameters() if p.requires_grad] + \
+            self.backbone.draft_parameters()
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate,
+                                           weight_decay=config.weight_decay)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.fingerprint = model_fingerprint(model)
+        self.step, self.elapsed = 0, 0.0
+        self.history: list[dict[str, Any]] = []
+        self.recent_losses: list[float] = []
+        self.initial: PositionValidation | None = None
+        self.saved_step: int | None = None  # the step of the checkpoint on disk, if any
+        self._saved_marker: tuple[int, int] | None = None  # (step, history length) on disk
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / CHECKPOINT_FILE
+
+    def restore(self, resume_from: str | Path | None = None) -> None:
+        """Load ``checkpoint.pt`` (or ``resume_from``) if present, after checking it.
+
+        Raises:
+            CheckpointError: a file failing its checksum, another config, another model or head
+                structure, or an exported run whose checkpoint is missing. Nothing is written.
+        """
+        source = checkpoint_source(self.run_dir, self.config, resume_from)
+        if source is None:
+            return
+        state = read_state(source, explicit=resume_from is not None)
+        check_config(record_config(state, source), self.config, source)
+        if state["model_fingerprint"] != self.fingerprint:
+            raise CheckpointError(f"{source} was written while training against "
+                                  "another model (its config or LM head weights differ)")
+        if state["head_fingerprint"] != head_fingerprint(self.head):
+            raise CheckpointError(f"{source} holds a head of another structure "
+                                  "(was the circuit file changed?)")
+        try:
+            self._load_tensors(state)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.generator.set_state(state["data_generator"])
+            torch.set_rng_state(state["torch_rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{source} cannot be restored ({error}); the "
+                                  "file is corrupt") from None
+        self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+        self.history, self.recent_losses = list(state["history"]), list(state["recent_losses"])
+        self.initial = PositionValidation.from_dict(state["initial_validation"])
+        if Path(source) == self.checkpoint_path:
+            self.saved_step, self._saved_marker = self.step, (self.step, len(self.history))
+
+    def _load_tensors(self, state: dict[str, Any]) -> None:
+        own = head_tensors(self.head)
+        if set(state["head"]) != set(own):
+            raise KeyError(f"head tensors {sorted(set(state['head']) ^ set(own))}")
+        self.head.load_state_dict(state["head"], strict=False)
+        lora = {name: p for name, p in self.backbone.draft_layers.named_parameters()
+                if "lora_" in name}
+        if set(state["lora"]) != set(lora):
+            raise KeyError(f"LoRA tensors {sorted(set(state['lora']) ^ set(lora))}")
+        with torch.no_grad():
+            for name, value in state["lora"].items():
+                if value.shape != lora[name].shape:
+                    raise ValueError(f"LoRA tensor {name} has shape {tuple(value.shape)}")
+                lora[name].copy_(value)
+
+    def kept(self) -> str:
+        """What is on disk to resume from, for messages."""
+        if self.saved_step is not None:
+            return f"the last good checkpoint, step {self.saved_step}, is kept in " \
+                f"{self.checkpoint_path}"
+        if self.checkpoint_path.exists():
+            return f"{self.checkpoint_path} is left as it was"
+        return "no checkpoint was written"
+
+    def interrupted(self, stop: TrainingInterrupted) -> str:
+        """The message of a run stopped at once by a signal."""
+        which = f"a second {stop.signal.name}" if stop.second else stop.signal.name
+        again = "resume" if self.checkpoint_path.exists() else "start again"
+        return f"stopped at once by {which} after step {self.step}; {self.kept()}; run the same " \
+            f"command to {again}"
+
+    def save(self) -> None:
+        """Write ``checkpoint.pt`` atomically, keeping the previous one (rank 0 writes).
+
+        Skipped when nothing changed since the last write (so a resumed run that does no step
+        does not displace the previous checkpoint with a copy of the current one).
+
+        Raises:
+            NonFiniteTrainingError: a parameter is NaN or infinite (nothing is written).
+            CheckpointWriteError: the write failed (``checkpoint.pt`` is unchanged).
+        """
+        assert self.initial is not None
+        marker = (self.step, len(self.history))
+        if marker == self._saved_marker:
+            return
+        head = {k: v.detach().cpu().clone() for k, v in head_tensors(self.head).items()}
+        lora = self.backbone.lora_state_dict()
+        bad = next((name for name, value in {**head, **lora}.items()
+                    if value.is_floating_point() and not bool(torch.isfinite(value).all())), None)
+        if bad is not None:
+            raise self.non_finite(self.step, f"parameter {bad} is NaN or infinite")
+        if self.context.is_writer:
+            save_checkpoint(self.checkpoint_path, CHECKPOINT_KIND, {
+                "config": self.config.to_dict(), "model_fingerprint": self.fingerprint,
+                "head_fingerprint": head_fingerprint(self.head), "head": head, "lora": lora,
+                "optimizer": self.optimizer.state_dict(),
+                "data_generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                "step": self.step, "elapsed": self.elapsed, "history": self.history,
+                "recent_losses": self.recent_losses, "initial_validation": self.initial.to_dict()},
+                summary={"step": self.step}, keep_previous=True)
+        self.saved_step, self._saved_marker = self.step, marker
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def validate(self, data: SequenceSet) -> PositionValidation:
+        """Token-weighted NLL per window position on the fixed validation sequences."""
+        self.draft.eval()
+        window = self.config.window
+        sums = torch.zeros(window, dtype=torch.float64)
+        counts = torch.zeros(window, dtype=torch.float64)
+        mine = torch.arange(len(data))[self.context.rank::self.context.world_size]
+        for chunk in mine.split(max(1, self.config.batch_size // self.context.world_size)):
+            tokens, mask = data.rows(chunk)
+            mask = None if mask is None else mask.to(self.device)
+            tokens = tokens.to(self.device)
+            with self.valid_outputs(self.step):
+                out = mtp_loss(self.head, self.draft.hidden(tokens), tokens, mask, self.gamma)
+            sums += out.nll_sum.double().cpu()
+            counts += out.count.double().cpu()
+        sums, counts = self.context.all_sum(sums), self.context.all_sum(counts)
+        self.draft.train()
+        nll = tuple(float(s / c) if c > 0 else math.nan for s, c in zip(sums, counts, strict=True))
+        loss = sum(self.gamma ** j * value for j, value in enumerate(nll))
+        return PositionValidation(self.step, nll, tuple(int(c) for c in counts), loss)
+
+    def record_validation(self, data: SequenceSet) -> PositionValidation:
+        result = self.validate(data)
+        train_loss = sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses \
+            else None
+        entry = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed,
+                 "train_loss": train_loss, "validation": result.to_dict()}
+        if self.context.enabled:  # DDP keeps the replicas equal: check it at every validation
+            entry["replica_max_abs_diff"] = self.context.replica_difference(self.parameters)
+        self.history.append(entry)
+        self.recent_losses = []
+        return result
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.step * self.config.batch_size * self.config.seq_len
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, data: SequenceSet, module: nn.Module) -> float:
+        """One optimiser step on this rank's shard of a global batch; the global mean loss.
+
+        Raises:
+            NonFiniteTrainingError: the global loss or the gradient norm is NaN or infinite; the
+                optimiser step is not taken, so the parameters and its state stay as they were.
+        """
+        config = self.config
+        rows = torch.randint(0, len(data), (config.batch_size,), generator=self.generator)
+        tokens, mask = data.rows(self.context.shard(rows))
+        mask = None if mask is None else mask.to(self.device)
+        with self.valid_outputs(self.step + 1):
+            loss, _, _ = module(tokens.to(self.device), mask)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.grad_clip))
+        else:
+            norm = _gradient_norm(self.parameters)
+        mean_loss = float(self.context.all_sum(loss.detach().double().cpu()) /
+                          self.context.world_size)
+        if not (math.isfinite(mean_loss) and math.isfinite(norm)):
+            what = f"the training loss is {mean_loss}" if not math.isfinite(mean_loss) else \
+                f"the gradient norm is {norm}"
+            raise self.non_finite(self.step + 1, what)
+        self.optimizer.step()
+        self.step += 1
+        return mean_loss
+
+    def non_finite(self, step: int, what: str) -> NonFiniteTrainingError:
+        """The error that stops training at ``step`` because ``what`` is not finite."""
+        return NonFiniteTrainingError(
+            f"step {step}: {what}; training stopped and nothing of this step was saved; "
+            f"{self.kept()}; start a new run directory with a lower --lr or with --grad-clip (the "
+            "same settings diverge again at this step)")
+
+    @contextmanager
+    def valid_outputs(self, step: int) -> Iterator[None]:
+        """Turn the circuit's refusal of the head's outputs at ``step`` into the training stop."""
+        try:
+            yield
+        except InvalidParameterError as error:
+            place = f"{error.where}[{', '.join(map(str, error.index))}"
+            if error.problem is ParameterProblem.NO_MASS:  # index: (batch, fold, unit)
+                what, unit = f"{place}, :] has no mass", error.index[-1]
+            else:  # index: (batch, fold, unit, category or input)
+                problem = error.problem.value if error.problem else "invalid"
+                what, unit = f"{place}] is {problem}", error.index[-2]
+            raise self.non_finite(step, f"the head's output {what} (unit {unit} of "
+                                        f"{error.layer})") from None
+
+    def agreed_stop(self, deadline: float | None, signals: StopSignals) -> tuple[bool, bool]:
+        """``(time budget spent, stop signal received)``, each true if true on any rank."""
+        late = deadline is not None and time.perf_counter() >= deadline
+        flags = self.context.all_sum(torch.tensor([float(late),
+                                                   float(signals.received is not None)]))
+        return bool(flags[0] > 0), bool(flags[1] > 0)
+
+    @contextmanager
+    def progress_bar(self, limit: int) -> Iterator[Any]:
+        """A tqdm bar on rank 0 with ``progress`` (else None), closed however the loop ends."""
+        if not self.progress:
+            yield None
+            return
+        from tqdm import tqdm
+        bar = tqdm(total=limit, initial=min(self.step, limit), desc="train-head", unit="step",
+                   dynamic_ncols=True)
+        try:
+            yield bar
+        finally:
+            bar.close()
+
+    def run(self, train: SequenceSet, validation: SequenceSet, started: float,
+            max_seconds: float | None, max_steps: int | None,
+            signals: StopSignals) -> HeadTrainingResult:
+        config = self.config
+        limit = config.steps if max_steps is None else min(config.steps, max_steps)
+        deadline = None if max_seconds is None else started + max_seconds
+        if self.initial is None:
+            self.initial = self.record_validation(validation)
+        latest = PositionValidation.from_dict(self.history[-1]["validation"])
+        module = self.context.wrap(self.draft, self.device)
+        self.draft.train()
+        session_start, session_first = time.perf_counter(), self.step
+        elapsed_before, last_save = self.elapsed, time.perf_counter()
+        loss = math.nan
+        interrupted: signal.Signals | None = None
+        with self.progress_bar(limit) as bar:
+            while self.step < limit:
+                late, signalled = self.agreed_stop(deadline, signals)
+                if signalled:  # another rank may have got it: the signal is then SIGTERM's
+                    interrupted = signals.received or signal.SIGTERM
+                if late or signalled:
+                    break
+                loss = self.train_step(train, module)
+                self.recent_losses.append(loss)
+                self.elapsed = elapsed_before + time.perf_counter() - session_start
+                if self.step % config.eval_every == 0 or self.step == config.steps:
+                    latest = self.record_validation(validation)
+                    self.save()
+                    last_save = time.perf_counter()
+                elif time.perf_counter() - last_save >= config.checkpoint_every_s:
+                    self.save()
+                    last_save = time.perf_counter()
+                if bar is not None:
+                    rate = (self.step - session_first) * config.batch_size * config.seq_len / \
+                        max(time.perf_counter() - session_start, 1e-9)
+                    bar.set_postfix(loss=f"{loss:.3f}", val_bits=f"{latest.mean_bits:.3f}",
+                                    bytes_s=f"{rate:,.0f}")
+                    bar.update(1)
+        session_seconds = time.perf_counter() - session_start
+        if interrupted is None and latest.step != self.step:
+            latest = self.record_validation(validation)
+        self.save()
+        if interrupted is None:  # a signal asks for a quick exit: the export waits for the resume
+            self.export(latest)
+        self.context.barrier()
+        session_steps = self.step - session_first
+        return HeadTrainingResult(
+            run_dir=self.run_dir, config=config, step=self.step,
+            finished=self.step >= config.steps, tokens_seen=self.tokens_seen,
+            elapsed_s=self.elapsed, session_steps=session_steps,
+            seconds_per_step=session_seconds / session_steps if session_steps else 0.0,
+            train_loss=loss, initial_validation=self.initial, validation=latest,
+            history=list(self.history), interrupted_by=interrupted)
+
+    def export(self, latest: PositionValidation) -> None:
+        """Write ``head/``, ``adapter/`` and ``training.json`` (rank 0).
+
+        Raises:
+            CheckpointWriteError: a file could not be written (each file is replaced atomically,
+                ``training.json`` last; the checkpoint is already saved).
+        """
+        if not self.context.is_writer:
+            return
+        try:
+            export_run(self.run_dir, self.head, self.backbone, self.record(latest))
+        except OSError as error:
+            raise CheckpointWriteError(
+                f"cannot write the exported head to {self.run_dir} ({error.strerror or error}); "
+                f"{self.kept()}; free disk space and run the same command again to export it") \
+                from None
+
+    def record(self, latest: PositionValidation) -> dict[str, Any]:
+        """The contents of ``training.json``."""
+        assert self.initial is not None
+        return {"config": self.config.to_dict(), "finished": self.step >= self.config.steps,
+                "step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed,
+                "world_size": self.context.world_size, "model_fingerprint": self.fingerprint,
+                "head_parameters": self.head.num_parameters(),
+                "lora_parameters": sum(p.numel() for p in self.backbone.draft_parameters()),
+                "validation": latest.to_dict(), "initial_validation": self.initial.to_dict(),
+                "history": self.history}
+
+
+def _gradient_norm(parameters: list[nn.Parameter]) -> float:
+    """The global L2 norm of the parameters' gradients (0.0 when there are none)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in parameters
+             if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
