@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from circuits.files import atomic_write, atomic_write_text
 from circuits_llm import demo
 from circuits_llm import report as rep
 from circuits_llm.data import evaluation_prompts
@@ -236,7 +237,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         fig.suptitle("head study on the embedded model: accepted length vs latency per round "
                      "(dotted: iso-throughput; up-left is faster)", fontsize=9.5)
         fig.tight_layout(rect=(0, 0.07, 1, 1))
-        rep.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     finally:
         plt.close(fig)
 
@@ -270,7 +271,7 @@ def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySetting
     summary = {"grid": grid.value, "settings": settings.__dict__, "model": loaded.describe(),
                "device": describe_device(device), "cells": records}
     table = markdown_table(records)
-    rep.atomic_write(out / "study.md", lambda tmp: tmp.write_text(table + "\n"))
+    atomic_write_text(out / "study.md", table + "\n")
     plot(records, out / "study-tradeoff.png")
     rep.write_json(demo._jsonable(summary), out / "study.json")
     log("\n" + table)

@@ -9,10 +9,7 @@ saves its result file.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from circuits.files import atomic_write_json
 
 
 @dataclass
@@ -123,14 +122,4 @@ def median(values: list[float]) -> float:
 def write_json_atomic(path: Path, payload: Mapping[str, Any], sort_keys: bool = False) -> None:
     """Write ``payload`` as indented JSON to ``path`` through a temporary file in the same folder
     and ``os.replace``: a crash leaves the previous file (or none), never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(payload, stream, indent=2, sort_keys=sort_keys)
-            stream.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_json(path, payload, sort_keys=sort_keys)

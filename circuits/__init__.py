@@ -14,10 +14,13 @@ from circuits.compiled import CompiledCircuit, ParameterSpec, Semiring, compile
 from circuits.errors import (
     CircuitError,
     InvalidInputError,
+    InvalidParameterError,
+    ParameterProblem,
     RegionGraphError,
     SerializationError,
     StructureError,
     UnknownArchitectureError,
+    ZeroProbabilityEvidenceError,
 )
 from circuits.operations import integrate, multiply, snapshot, square
 from circuits.parameterizations import Exp, Parameterization, Softmax
@@ -41,9 +44,10 @@ from circuits.symbolic import (
 
 __all__ = [
     "Categorical", "Circuit", "CircuitError", "CompiledCircuit", "Exp", "InputLayer",
-    "InvalidInputError", "Layer", "ParameterSpec", "Parameterization", "ProductKind",
-    "ProductLayer", "RegionGraphError", "Semiring", "SerializationError", "Softmax",
-    "StructureError", "SumLayer", "UnknownArchitectureError", "are_compatible", "check",
-    "circuit_from_dict", "circuit_to_dict", "compile", "integrate", "is_decomposable", "is_smooth",
-    "is_structured_decomposable", "load_circuit", "multiply", "save_circuit", "snapshot", "square",
+    "InvalidInputError", "InvalidParameterError", "Layer", "ParameterProblem", "ParameterSpec",
+    "Parameterization", "ProductKind", "ProductLayer", "RegionGraphError", "Semiring",
+    "SerializationError", "Softmax", "StructureError", "SumLayer", "UnknownArchitectureError",
+    "ZeroProbabilityEvidenceError", "are_compatible", "check", "circuit_from_dict", "circuit_to_dict",
+    "compile", "integrate", "is_decomposable", "is_smooth", "is_structured_decomposable", "load_circuit",
+    "multiply", "save_circuit", "snapshot", "square",
 ]

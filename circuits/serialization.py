@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch import Tensor
 
 from circuits.compiled.validity import first_problem
 from circuits.errors import CircuitError, ParameterProblem, SerializationError
+from circuits.files import atomic_write_text
 from circuits.parameterizations import Exp, Parameterization, Softmax
 from circuits.symbolic import (
     Categorical,
@@ -143,18 +143,7 @@ def save_circuit(circuit: Circuit, path: str | os.PathLike[str], include_paramet
     """Write ``circuit`` as JSON to ``path`` atomically (a temporary file, then ``os.replace``),
     so a reader never sees a half-written file."""
     text = json.dumps(circuit_to_dict(circuit, include_parameters), allow_nan=False)
-    target = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=target.parent,
-                                         prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
 
 
 # ---------------------------------------------------------------------------------- reading

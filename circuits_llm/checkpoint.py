@@ -11,7 +11,7 @@ extra byte anywhere in the file is a :class:`CheckpointCorruptError` naming the 
 silently different resume. ``summary`` holds a few JSON scalars (e.g. the step) that can be read
 without loading the payload, for messages about a file.
 
-Writes go through :func:`circuits_llm.report.atomic_write` (temporary file, ``fsync``,
+Writes go through :func:`circuits.files.atomic_write` (temporary file, ``fsync``,
 ``os.replace``): an interrupted or failed write (a full disk included) leaves the previous file in
 place, and the failure is a one-line :class:`CheckpointWriteError`. With ``keep_previous`` the
 file being replaced is first kept as ``<stem>.prev<suffix>`` (a hard link, or a copy), but only
@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from circuits_llm.report import atomic_write
+from circuits.files import atomic_write
 
 FORMAT_VERSION = 2
 LEGACY_FORMAT_VERSION = 1

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from circuits.files import atomic_write_text
 from circuits_llm import report as rep
 from circuits_llm.data import SpecialToken, decode, evaluation_prompts
 from circuits_llm.devices import describe_device
@@ -420,7 +421,7 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
     title = (f"{command}: window {config.window}, {config.variant}, {config.lora_layers} LoRA "
              f"layer(s); {config.prompts} prompts x {config.new_tokens} bytes")
     rep.write_tradeoff_plot(rows, out / PLOT_FILE, title)
-    rep.atomic_write(out / TABLE_FILE, lambda tmp: tmp.write_text(table + "\n"))
+    atomic_write_text(out / TABLE_FILE, table + "\n")
     result = {
         "schema_version": rep.SCHEMA_VERSION, "kind": rep.REPORT_KIND, "command": command,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -11,22 +11,21 @@ Tokens of the byte-level models are bytes, so throughput is reported in bytes pe
 
 :func:`write_tradeoff_plot` draws accepted length against latency per round with dotted
 iso-throughput lines, like the paper's Figure 1. Every file is written atomically by
-:func:`atomic_write` (a temporary file in the same directory, ``fsync``, then ``os.replace``): a
-crash leaves the previous file or none. The checkpoints and run records of training use it too.
+:func:`circuits.files.atomic_write` (a temporary file in the same directory, ``fsync``, then
+``os.replace``): a crash leaves the previous file or none.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from circuits.files import atomic_write
 from circuits_llm.metrics import DecodeSummary
 
 #: Bumped whenever the meaning of a report's JSON fields changes.
@@ -180,43 +179,6 @@ def check_report(report: Any) -> None:
     identical = report["greedy_identical"]
     if not isinstance(identical.get("all"), bool) or not isinstance(identical.get("prompts"), int):
         raise ReportError("report: greedy_identical needs a bool 'all' and an int 'prompts'")
-
-
-# ---------------------------------------------------------------------------- atomic files
-def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it over ``path``.
-
-    The temporary file keeps ``path``'s suffix (so writers that infer a format from it work), is
-    flushed to the disk (``fsync``) before the rename, and is removed if anything fails: ``path``
-    then holds its previous content, or does not exist. After the rename the directory is synced
-    too, so the new name survives a power loss. A full disk surfaces here as an ``OSError``
-    (``ENOSPC``) from ``write`` or from the ``fsync``, with ``path`` untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}",
-                                    dir=path.parent)
-    os.close(handle)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        _fsync(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if os.name == "posix":  # directories cannot be opened for fsync elsewhere
-        _fsync(path.parent)
-    return path
-
-
-def _fsync(path: Path) -> None:
-    """Flush ``path`` (a file or, on POSIX, a directory) to the disk."""
-    handle = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
 
 
 def write_json(report: Mapping[str, Any], path: Path) -> Path:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from circuits import files
 from circuits_llm import demo as demo_module
 from circuits_llm import report
 from circuits_llm.cli import main
@@ -201,7 +202,7 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path: Path,
     def failing_replace(src: object, dst: object) -> None:
         raise OSError("rename failed")
 
-    monkeypatch.setattr(report.os, "replace", failing_replace)
+    monkeypatch.setattr(files.os, "replace", failing_replace)  # the one atomic writer
     with pytest.raises(OSError, match="rename failed"):
         report.write_json({"new": 2}, path)
     assert json.loads(path.read_text()) == {"old": 1}

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_training import config, make_corpus, snapshot, tiny_llama, train
 
-from circuits_llm import report
+from circuits import files
 from circuits_llm.checkpoint import (
     CheckpointError,
     inspect_checkpoint,
@@ -96,15 +96,15 @@ def assert_same_training(a: Path, b: Path) -> None:
 
 # ------------------------------------------------------------------------------ helpers
 def failing_fsync(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
-    """Make :func:`report.atomic_write` fail with ENOSPC for temporary files named ``prefix*``."""
-    original = report._fsync
+    """Make :func:`circuits.files.atomic_write` fail with ENOSPC for temporary files ``prefix*``."""
+    original = files.fsync
 
     def fsync(path: Path) -> None:
-        if path.name.startswith(prefix):
+        if Path(path).name.startswith(prefix):
             raise ENOSPC
         original(path)
 
-    monkeypatch.setattr(report, "_fsync", fsync)
+    monkeypatch.setattr(files, "fsync", fsync)
 
 
 # ------------------------------------------------------------------------------ resume

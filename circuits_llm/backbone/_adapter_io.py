@@ -12,14 +12,13 @@ Both files are written to a temporary file in the same directory and moved into 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from circuits.files import atomic_write, atomic_write_json
 
 if TYPE_CHECKING:
     from circuits_llm.backbone.hf import HFBackbone
@@ -34,19 +33,6 @@ class AdapterMismatchError(ValueError):
     """A saved adapter does not fit the backbone it is being loaded into."""
 
 
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then move it onto ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save_adapter_from(backbone: HFBackbone, directory: Path) -> Path:
     """Write ``backbone``'s LoRA weights and metadata into ``directory`` (created if needed).
 
@@ -58,14 +44,8 @@ def save_adapter_from(backbone: HFBackbone, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tensors = backbone.lora_state_dict()
     meta = {"format": _FORMAT, "version": _VERSION, **backbone.adapter_metadata()}
-    _atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp))
-
-    def write_json(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(meta, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-
-    _atomic_write(directory / ADAPTER_CONFIG, write_json)
+    atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp)))
+    atomic_write_json(directory / ADAPTER_CONFIG, meta, sort_keys=True)
     return directory
 
 

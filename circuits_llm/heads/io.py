@@ -11,10 +11,6 @@ Named templates are stored by name and rank; custom circuits by their serialised
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +21,7 @@ from torch import Tensor
 
 from circuits import templates
 from circuits.errors import CircuitError
+from circuits.files import atomic_write, sha256_file
 from circuits.symbolic import Circuit
 from circuits_llm.heads.config import HeadConfig, HeadConfigError, HeadVariant, parse_variant
 from circuits_llm.heads.head import MTPHead
@@ -60,27 +57,6 @@ def head_config(head: MTPHead) -> HeadConfig:
         identity_init=head.identity_init, identity_bias=head.identity_bias, dtype=dtype)
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it over ``path``."""
-    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_head(head: MTPHead, directory: str | Path) -> None:
     """Write ``head`` to ``directory`` (created if needed); see the module docstring."""
     config = head_config(head)  # fails before anything is written
@@ -88,10 +64,10 @@ def save_head(head: MTPHead, directory: str | Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: value.detach().cpu().contiguous() for name, value in head_tensors(head).items()}
     tensors_path = directory / TENSORS_FILE
-    _atomic_write(tensors_path, lambda tmp: save_file(tensors, str(tmp), metadata={
+    atomic_write(tensors_path, lambda tmp: save_file(tensors, str(tmp), metadata={
         "format_version": str(config.format_version)}))
-    config = replace(config, tensors_sha256=_sha256(tensors_path))
-    _atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(config.to_json() + "\n"))
+    config = replace(config, tensors_sha256=sha256_file(tensors_path))
+    atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(config.to_json() + "\n"))
 
 
 def _rebuild_circuit(config: HeadConfig, source: Path) -> Circuit:
@@ -139,7 +115,7 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
                                   "MTPHead.save?")
     config = HeadConfig.from_json(config_path.read_text(), str(config_path))
     _check_expected(config, config_path, expected_hidden_size, expected_vocab_size)
-    if config.tensors_sha256 is not None and _sha256(tensors_path) != config.tensors_sha256:
+    if config.tensors_sha256 is not None and sha256_file(tensors_path) != config.tensors_sha256:
         raise HeadConfigError(
             f"{tensors_path} does not match the checksum recorded in {config_path}: the file is "
             "corrupt or was written by another save")

@@ -22,11 +22,11 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from circuits.files import atomic_write
 from circuits_llm.backbone import AdapterMismatchError, HFBackbone
 from circuits_llm.backbone._arch import config_fingerprint
 from circuits_llm.checkpoint import CheckpointError
 from circuits_llm.heads import HeadConfigError, MTPHead
-from circuits_llm.report import atomic_write
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 
 RECORD_FILE = "training.json"
@@ -117,7 +117,7 @@ class HeadTrainingResult:
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented JSON to ``path`` atomically (:func:`report.atomic_write`)."""
+    """Write ``payload`` as indented JSON to ``path`` atomically (:func:`circuits.files.atomic_write`)."""
     text = json.dumps(payload, indent=2) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 

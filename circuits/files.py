@@ -1,0 +1,76 @@
+"""Files written whole or not at all, and their checksums: the project's one copy of each.
+
+:func:`atomic_write` is how every file of the project is written (circuit JSON, heads, adapters,
+checkpoints, reports, benchmark records, plots): ``write`` fills a temporary file in the target's
+directory, the file is flushed to the disk (``fsync``), renamed over the target with
+``os.replace`` (atomic on POSIX), and the directory is synced so the new name survives a power
+loss. Anything that fails on the way (a full disk included: ``OSError`` ``ENOSPC`` from ``write``
+or from ``fsync``) removes the temporary file and leaves the target as it was, or absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object]) -> Path:
+    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it over ``path``.
+
+    The temporary file keeps ``path``'s suffix, so writers that infer a format from it (matplotlib,
+    safetensors) work. The parent directory is created if needed.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}",
+                                    dir=path.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if os.name == "posix":  # directories cannot be opened for fsync elsewhere
+        fsync(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_write`)."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike[str], payload: Mapping[str, Any], *,
+                      sort_keys: bool = False) -> Path:
+    """Write ``payload`` as indented JSON (no NaN or infinity) to ``path`` atomically."""
+    text = json.dumps(payload, indent=2, sort_keys=sort_keys, allow_nan=False) + "\n"
+    return atomic_write_text(path, text)
+
+
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flush ``path`` (a file or, on POSIX, a directory) to the disk."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 hex digest of the file at ``path``, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
