@@ -41,9 +41,9 @@ from circuits_llm import report as rep
 from circuits_llm.data import SpecialToken, decode, evaluation_prompts
 from circuits_llm.devices import describe_device
 from circuits_llm.metrics import DecodeResult, aggregate
+from circuits_llm.models import EMBEDDED, ModelLoadError, load_causal_lm
 from circuits_llm.report import DecodeMode, DecoderRow
 
-EMBEDDED = "embedded"
 HEAD_MARKER = "demo_head.json"
 RESULTS_FILE, PLOT_FILE, TABLE_FILE = "results.json", "tradeoff.png", "table.txt"
 
@@ -156,49 +156,22 @@ def model_fingerprint(model: Any) -> str:
 
 
 def load_model(spec: str | Path, device: torch.device | None = None) -> LoadedModel:
-    """``"embedded"`` -> the packaged byte-level Llama; otherwise a local HF model directory.
+    """``"embedded"`` -> the packaged byte-level Llama; otherwise a local HF model directory
+    (:func:`circuits_llm.models.load_causal_lm`), checked to be byte-level.
 
     The model is moved to ``device`` (None: left where it was loaded, the CPU). Its fingerprint
     does not depend on the device, so heads cached on one device are found on another.
     """
-    from transformers.utils import logging as hf_logging
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # the weight-loading bar is noise in a CLI
     try:
-        model = _load(spec)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
+        model = load_causal_lm(spec, device)
+    except ModelLoadError as error:
+        raise DemoError(str(error)) from None
     vocab = int(getattr(model.config, "vocab_size", 0))
     if vocab <= max(SpecialToken):
         raise DemoError(f"--model {spec}: vocabulary of {vocab} ids is not byte-level (need bytes "
                         f"0..255 plus special ids up to {int(max(SpecialToken))})")
     source = EMBEDDED if str(spec) == EMBEDDED else str(Path(spec).resolve())
-    if device is not None:
-        model = model.to(device)
     return LoadedModel(model, source, model_fingerprint(model))
-
-
-def _load(spec: str | Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    from circuits_llm.embedded import EmbeddedModelMissingError, load_embedded_model
-    if str(spec) == EMBEDDED:
-        try:
-            return load_embedded_model()
-        except EmbeddedModelMissingError as error:
-            raise DemoError(str(error)) from None
-    path = Path(spec)
-    if not path.is_dir():
-        raise DemoError(f"--model {spec}: no such directory (give 'embedded' or a Hugging Face "
-                        "model directory)")
-    if not (path / "config.json").is_file():
-        raise DemoError(f"--model {spec}: the directory has no config.json, so it is not a "
-                        "Hugging Face model directory")
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
-    except (OSError, ValueError) as error:
-        raise DemoError(f"--model {spec}: cannot load a causal LM: {error}") from None
 
 
 # ---------------------------------------------------------------------------- the head cache

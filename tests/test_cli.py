@@ -273,3 +273,22 @@ def test_training_budget_split() -> None:
     assert sum(shares.values()) == pytest.approx(config.train_seconds)
     quick = demo_module.ComparisonConfig.demo(quick=True)
     assert quick.window == 8 and quick.train_seconds < config.train_seconds
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_corrupt_model_weights_are_one_line_in_every_command(
+        command: str, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``generate`` and ``demo`` load models through the same loader as ``train-head``."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in tiny_model.iterdir():
+        data = item.read_bytes()
+        (model / item.name).write_bytes(data[: len(data) // 2] if item.suffix == ".safetensors"
+                                        else data)
+    argv = {"generate": ["generate", "--model", str(model), "--prompt", "x"],
+            "demo": ["demo", "--model", str(model), "--out", str(tmp_path / "out")]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"model.safetensors in {model} is corrupt or truncated" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

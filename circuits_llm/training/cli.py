@@ -33,69 +33,20 @@ from typing import Any
 import torch
 
 from circuits_llm.devices import DeviceError, DeviceSpec, add_device_argument, resolve_device
+from circuits_llm.models import EMBEDDED, ModelLoadError, load_causal_lm
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
 
-EMBEDDED = "embedded"
 _PROGRAM = "circuits-llm train-head"
 #: Exit status of a run that failed while training (input problems exit 2).
 TRAINING_FAILED = 1
 
 
-def _weights_error(directory: Path, error: Exception, advice: str) -> TrainingConfigError:
-    """The one-line error for a model directory whose safetensors weights cannot be read."""
-    files = sorted(path.name for path in directory.glob("*.safetensors"))
-    which = files[0] if len(files) == 1 else "a *.safetensors file"
-    return TrainingConfigError(f"{which} in {directory} is corrupt or truncated ({error}); {advice}")
-
-
 def load_model(spec: str, device: torch.device) -> Any:
-    """``"embedded"`` -> the packaged byte-level Llama; otherwise a local HF model directory.
-
-    Hugging Face's weight-loading progress bar is switched off meanwhile: a failed command's
-    stderr is its one error line.
-    """
-    from transformers.utils import logging as hf_logging
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    """The ``--model`` causal LM on ``device`` (:func:`circuits_llm.models.load_causal_lm`)."""
     try:
-        return _load(spec).to(device).eval()
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-
-
-def _load(spec: str) -> Any:
-    """The model named by ``--model`` (see :func:`load_model`), on the CPU."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    from circuits_llm.embedded import (
-        EMBEDDED_MODEL_DIR,
-        EmbeddedModelMissingError,
-        load_embedded_model,
-    )
-    if spec == EMBEDDED:
-        try:
-            model = load_embedded_model()
-        except EmbeddedModelMissingError as error:
-            raise TrainingConfigError(str(error)) from None
-        except SafetensorError as error:
-            raise _weights_error(EMBEDDED_MODEL_DIR, error, "reinstall circuits-llm, or re-export "
-                                 "the model with `circuits-llm export-model`") from None
-    else:
-        path = Path(spec)
-        if not path.is_dir():
-            raise TrainingConfigError(f"--model {spec}: no such directory (give 'embedded' or a "
-                                      "Hugging Face model directory)")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-        except SafetensorError as error:
-            raise _weights_error(path, error, f"copy or export the model to --model {spec} "
-                                 "again") from None
-        except (OSError, ValueError) as error:
-            raise TrainingConfigError(f"--model {spec}: cannot load a causal LM ({error})") \
-                from None
-    return model
+        return load_causal_lm(spec, device)
+    except ModelLoadError as error:
+        raise TrainingConfigError(str(error)) from None
 
 
 def _device(spec: DeviceSpec | str) -> torch.device:
