@@ -168,7 +168,30 @@ class InputLayer(Layer):
         return f"InputLayer#{self.uid}(variable={self.variable}, units={self.num_units}{extra})"
 
 
-class SumLayer(Layer):
+class _InnerLayer(Layer):
+    """What sum and product layers share: their input layers, and the scope those cover."""
+
+    __slots__ = ("_inputs", "_scope")
+
+    def __init__(self, inputs: tuple[Layer, ...]) -> None:
+        super().__init__()
+        self._inputs = inputs
+        self._scope: Scope = frozenset().union(*(i.scope for i in inputs))
+
+    @property
+    def inputs(self) -> tuple[Layer, ...]:
+        return self._inputs
+
+    @property
+    def scope(self) -> Scope:
+        return self._scope
+
+    @property
+    def input_widths(self) -> tuple[int, ...]:
+        return tuple(i.num_units for i in self._inputs)
+
+
+class SumLayer(_InnerLayer):
     """``num_units`` weighted sums, each over all units of all its inputs (concatenated).
 
     Args:
@@ -179,7 +202,7 @@ class SumLayer(Layer):
         initial: optional raw weights of that shape.
     """
 
-    __slots__ = ("_inputs", "_num_units", "_scope", "initial", "parameterization")
+    __slots__ = ("_num_units", "initial", "parameterization")
 
     def __init__(self, inputs: Sequence[Layer], num_units: int,
                  parameterization: Parameterization | None = None,
@@ -189,29 +212,15 @@ class SumLayer(Layer):
             raise StructureError("SumLayer: inputs must be a non-empty sequence of layers")
         if not isinstance(num_units, int) or num_units < 1:
             raise StructureError(f"SumLayer: num_units must be an int >= 1, got {num_units!r}")
-        super().__init__()
-        self._inputs = inputs
+        super().__init__(inputs)
         self._num_units = num_units
         self.parameterization = parameterization or Softmax()
         self.initial = initial
-        self._scope: Scope = frozenset().union(*(i.scope for i in inputs))
         _check_initial("SumLayer", initial, self.parameter_shape)
-
-    @property
-    def inputs(self) -> tuple[Layer, ...]:
-        return self._inputs
 
     @property
     def num_units(self) -> int:
         return self._num_units
-
-    @property
-    def scope(self) -> Scope:
-        return self._scope
-
-    @property
-    def input_widths(self) -> tuple[int, ...]:
-        return tuple(i.num_units for i in self._inputs)
 
     @property
     def parameter_shape(self) -> tuple[int, int]:
@@ -219,10 +228,10 @@ class SumLayer(Layer):
         return (self.num_units, sum(self.input_widths))
 
 
-class ProductLayer(Layer):
+class ProductLayer(_InnerLayer):
     """Products of units of its inputs, element-wise (Hadamard) or outer (Kronecker)."""
 
-    __slots__ = ("_inputs", "_scope", "kind")
+    __slots__ = ("kind",)
 
     def __init__(self, inputs: Sequence[Layer], kind: ProductKind = ProductKind.HADAMARD) -> None:
         inputs = tuple(inputs)
@@ -235,28 +244,14 @@ class ProductLayer(Layer):
                 "ProductLayer(HADAMARD): all inputs need the same number of units; got "
                 + ", ".join(i.describe() for i in inputs)
                 + ". Use ProductKind.KRONECKER or give the inputs equal widths.")
-        super().__init__()
-        self._inputs = inputs
+        super().__init__(inputs)
         self.kind = kind
-        self._scope: Scope = frozenset().union(*(i.scope for i in inputs))
-
-    @property
-    def inputs(self) -> tuple[Layer, ...]:
-        return self._inputs
 
     @property
     def num_units(self) -> int:
         if self.kind is ProductKind.HADAMARD:
             return self._inputs[0].num_units
         return math.prod(i.num_units for i in self._inputs)
-
-    @property
-    def scope(self) -> Scope:
-        return self._scope
-
-    @property
-    def input_widths(self) -> tuple[int, ...]:
-        return tuple(i.num_units for i in self._inputs)
 
 
 class Circuit:

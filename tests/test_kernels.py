@@ -29,9 +29,9 @@ from triton_helpers import chi_square_p
 
 import circuits
 from circuits import kernels
-from circuits.compiled.layers import log_matmul as torch_log_matmul
 from circuits.errors import InvalidInputError
 from circuits.kernels import KernelBackend, KernelBackendError
+from circuits.kernels.ops import torch_log_matmul
 from circuits.templates import btree
 
 HAS_TRITON = kernels.triton_available()

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from circuits import kernels
-from circuits.compiled.layers import log_matmul as torch_log_matmul
 from circuits.kernels import KernelBackend, KernelFallbackWarning, TritonKernel, ops, softmax
 from circuits.kernels import backend as backend_module
+from circuits.kernels.ops import torch_log_matmul
 
 
 class CompileFailure(RuntimeError):

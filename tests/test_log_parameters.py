@@ -92,3 +92,81 @@ def test_derived_tensors_are_computed_once() -> None:
     assert derived and {kind for kind, _ in derived} <= {"probs", "exp_weights"}
     compiled.log_prefix_conditionals(x, params=prepared)
     assert all(prepared.derived[key] is value for key, value in derived.items())
+
+
+# ------------------------------------------------------------------ the module's own parameters, cached
+def fresh_value(compiled: CompiledCircuit, x: torch.Tensor) -> torch.Tensor:
+    """The log-likelihood computed without the own-parameter cache."""
+    compiled.own_cache.clear()
+    with torch.no_grad():
+        value = compiled.log_marginal(x, torch.ones_like(x, dtype=torch.bool))
+    compiled.own_cache.clear()
+    return value
+
+
+def edits() -> dict[str, object]:
+    """Every way of changing a parameter in place, including those version counters miss."""
+    def through_data(raw: torch.nn.Parameter) -> None:
+        raw.data.add_(0.5)  # invisible to raw._version
+
+    def no_grad(raw: torch.nn.Parameter) -> None:
+        with torch.no_grad():
+            raw.mul_(0.5)
+
+    def swap_data(raw: torch.nn.Parameter) -> None:
+        raw.data = raw.data.flip(-1).clone()
+
+    def from_state_dict(raw: torch.nn.Parameter) -> None:
+        with torch.no_grad():
+            raw.copy_(torch.randn_like(raw))
+
+    return {"data": through_data, "no_grad": no_grad, "swap": swap_data, "copy": from_state_dict}
+
+
+@pytest.mark.parametrize("edit", list(edits()))
+@pytest.mark.parametrize("inference", [False, True])
+def test_own_parameter_cache_never_goes_stale(edit: str, inference: bool) -> None:
+    """Cached own log-parameters are bit-for-bit what a fresh normalisation gives, after every
+    kind of in-place edit (``.data`` included), in and out of inference mode."""
+    compiled, _, x, _ = setup(2)
+    context = torch.inference_mode if inference else torch.no_grad
+    with context():
+        first = compiled.log_likelihood(x)
+    assert compiled.own_cache.entries, "queries without gradients fill the cache"
+    with context():
+        again = compiled.log_likelihood(x)
+    assert torch.equal(first, again)
+    for name in compiled.parameter_shapes():
+        raw = next(m.raw for p, m in zip(compiled.plans, compiled.folds, strict=True) if p.name == name)
+        edits()[edit](raw)  # type: ignore[operator]
+        with context():
+            got = compiled.log_likelihood(x)
+        assert torch.equal(got, fresh_value(compiled, x)), (edit, name)
+
+
+def test_own_parameter_cache_keeps_gradients_and_checks() -> None:
+    """Gradients still reach the module's own parameters, a cache made in inference mode never
+    enters an autograd graph, and a parameter made invalid after caching is still reported."""
+    compiled, _, x, _ = setup(4)
+    with torch.inference_mode():
+        compiled.log_likelihood(x)
+    loss = compiled.log_likelihood(x).sum()  # grad mode: fresh, differentiable tensors
+    loss.backward()
+    assert all(p.grad is not None for p in compiled.parameters())
+    with torch.no_grad():
+        compiled.log_likelihood(x)
+        raw = compiled.folds[0].raw
+        raw.data[0, 0, 0] = float("nan")  # behind the version counter's back
+        with pytest.raises(circuits.InvalidParameterError, match="is NaN"):
+            compiled.log_likelihood(x)
+
+
+def test_moving_the_module_clears_the_own_parameter_cache() -> None:
+    compiled, _, x, _ = setup(5)
+    with torch.no_grad():
+        compiled.log_likelihood(x)
+        assert compiled.own_cache.entries
+        compiled.float()
+        assert not compiled.own_cache.entries
+        got = compiled.log_likelihood(x)
+    assert got.dtype == torch.float32 and torch.equal(got, fresh_value(compiled, x))

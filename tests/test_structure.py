@@ -252,3 +252,39 @@ def test_layers_are_topologically_ordered_and_scopes_are_unions(circuit: Circuit
     assert circuit.num_parameters() == sum(
         layer.parameter_shape[0] * layer.parameter_shape[1]
         for layer in circuit.layers if isinstance(layer, (InputLayer, SumLayer)))
+
+
+def _rebuilt(circuit: Circuit, reverse: bool) -> Circuit:
+    """A structural copy of ``circuit`` whose layers are created in (reverse) topological order."""
+    new: dict[int, object] = {}
+    pending = list(circuit.layers)
+    if reverse:  # create every layer only once its inputs exist, from the last ready one
+        pending.reverse()
+    while pending:
+        layer = next(la for la in pending if all(i.uid in new for i in la.inputs))
+        pending.remove(layer)
+        inputs = [new[i.uid] for i in layer.inputs]
+        if isinstance(layer, InputLayer):
+            new[layer.uid] = InputLayer(layer.variable, layer.num_units, layer.distribution,
+                                        layer.parameterization, integrated=layer.integrated)
+        elif isinstance(layer, SumLayer):
+            new[layer.uid] = SumLayer(inputs, layer.num_units, layer.parameterization)  # type: ignore[arg-type]
+        else:
+            assert isinstance(layer, ProductLayer)
+            new[layer.uid] = ProductLayer(inputs, layer.kind)  # type: ignore[arg-type]
+    return Circuit(new[circuit.output.uid])  # type: ignore[arg-type]
+
+
+@settings(max_examples=20)
+@given(circuit=any_circuits(4))
+def test_fold_order_depends_on_the_structure_alone(circuit: Circuit) -> None:
+    """Structurally equal circuits built in different creation orders fold identically: the same
+    fold names, shapes and slot order (no canonical copy needed to get stable parameter names)."""
+    plans = [circuits.compile(_rebuilt(circuit, reverse), validate=False).plans
+             for reverse in (False, True)]
+    position = [{layer: i for i, layer in enumerate(Circuit(p[-1].layers[0]).layers)}
+                for p in plans]
+    for fold_a, fold_b in zip(*plans, strict=True):
+        assert (fold_a.name, fold_a.num_folded, fold_a.inputs) == \
+            (fold_b.name, fold_b.num_folded, fold_b.inputs)
+        assert [position[0][la] for la in fold_a.layers] == [position[1][la] for la in fold_b.layers]

@@ -47,7 +47,7 @@ from circuits import (
     load_circuit,
     save_circuit,
 )
-from circuits.compiled import circuit as circuit_module
+from circuits.compiled import core as circuit_module
 from circuits.compiled.validity import check_parameters
 from circuits.errors import (
     CircuitError,

@@ -1,7 +1,7 @@
 """The derivative (top-down) pass of a circuit, written out instead of run through autograd.
 
 After a SUM-semiring bottom-up pass (:meth:`CompiledCircuit.evaluate` with a
-:class:`~circuits.compiled.circuit.Trace`), :func:`input_gradients` returns
+:class:`~circuits.compiled.prepared.Trace`), :func:`input_gradients` returns
 ``g_u = d log c / d log l_u`` for every input unit ``u`` (``l_u`` its output), the quantity of the
 derivative identity behind the conditional queries (:mod:`circuits.compiled.queries`). Walking
 the folds from the root down, each fold's gradient ``G`` (F, B, K) goes to the units it read:
@@ -23,13 +23,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits.compiled.circuit import CompiledCircuit, LogParameters, Trace
-from circuits.compiled.layers import ExpWeights, FoldedInput, FoldedSum, RoutedFold
+from circuits.compiled.core import CircuitCore
+from circuits.compiled.layers import FoldedInput, FoldedSum, RoutedFold
+from circuits.compiled.prepared import LogParameters, Trace
+from circuits.kernels import ExpWeights, rows_per_set
 from circuits.symbolic import ProductKind
 
 
 @torch.no_grad()
-def input_gradients(circuit: CompiledCircuit, trace: Trace,
+def input_gradients(circuit: CircuitCore, trace: Trace,
                     params: LogParameters) -> dict[int, Tensor]:
     """``{input fold id: d log c / d log l (F, B, K)}`` of the traced pass (the root's rows summed).
 
@@ -84,7 +86,7 @@ def _sum_input_gradient(trace: Trace, fold_id: int, grad: Tensor, log_weights: T
     units = out.shape[2]
     grouped = log_weights.dim() == 4
     sets = log_weights.shape[0] if grouped else 1
-    groups = batch // max(sets, 1)
+    groups = rows_per_set(batch, sets)
     parts = trace.sum_parts.get(fold_id)
     if parts is not None:
         probs, total = parts

@@ -4,6 +4,12 @@ Two layers are folded together when they sit at the same depth (longest path fro
 and have the same *signature* (kind, width, input widths, parameterisation, ...). A fold of ``F``
 layers with ``K`` units each produces one tensor of shape ``(F, B, K)`` for a batch of ``B``.
 
+The order of the folds, and of the layers inside each, depends on the circuit's structure alone:
+folds by depth, then by the position of their first layer in :attr:`Circuit.layers
+<circuits.symbolic.Circuit.layers>` (a depth-first walk from the output through each layer's
+inputs in order). Two structurally equal circuits therefore get the same fold names (``"sum_3"``)
+and parameter layouts, whatever order their layers were created in.
+
 A fold reads each of its ``H`` inputs (``H`` = arity) through an :class:`InputAddress`: the ids of
 the folds whose outputs are concatenated along the fold dimension, and an index into that
 concatenation picking, for each of the ``F`` stacked layers, the layer that feeds it.
@@ -83,19 +89,22 @@ def _signature(layer: Layer) -> tuple[object, ...]:
 def plan_folds(circuit: Circuit, fold: bool = True) -> tuple[FoldPlan, ...]:
     """Group the circuit's layers into folds, in an order where inputs come first.
 
-    Returns the folds sorted by depth; the last fold holds only the circuit's output layer.
+    Returns the folds sorted by depth, then structurally (see the module docstring); the last
+    fold holds only the circuit's output layer.
     """
     depth: dict[Layer, int] = {}
+    position: dict[Layer, int] = {}  # structural: the depth-first order of circuit.layers
     for layer in circuit.layers:
         depth[layer] = 1 + max((depth[i] for i in layer.inputs), default=-1)
+        position[layer] = len(position)
 
     groups: dict[tuple[object, ...], list[Layer]] = {}
     for layer in circuit.layers:
         key: tuple[object, ...] = (depth[layer], *_signature(layer))
         if not fold:
-            key = (depth[layer], layer.uid)
+            key = (depth[layer], position[layer])
         groups.setdefault(key, []).append(layer)
-    ordered = sorted(groups.values(), key=lambda ls: (depth[ls[0]], ls[0].uid))
+    ordered = sorted(groups.values(), key=lambda ls: (depth[ls[0]], position[ls[0]]))
 
     location: dict[Layer, tuple[int, int]] = {}
     plans: list[FoldPlan] = []

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from circuits.compiled.folding import FoldPlan, InputAddress
-from circuits.kernels import TritonKernel, triton_log_matmul, use_triton
+from circuits.kernels import TritonKernel, log_matmul, rows_per_set, use_triton
+from circuits.kernels.ops import WeightsLike
 from circuits.kernels.softmax import softmax_stats
 from circuits.parameterizations import Parameterization, Softmax
 from circuits.symbolic import InputLayer, ProductKind, SumLayer
@@ -128,9 +129,9 @@ class FoldedInput(nn.Module):
         values = x[:, self.variables].clamp(0, self.num_categories - 1)  # (B, F)
         if parts is not None:
             sets, fold, units = parts.lse.shape
-            rows_per_set = values.shape[0] // max(sets, 1)
-            index = values.view(sets, rows_per_set, fold).permute(0, 2, 1)[:, :, None, :]
-            picked = parts.logits.gather(3, index.expand(sets, fold, units, rows_per_set))
+            group = rows_per_set(values.shape[0], sets)
+            index = values.view(sets, group, fold).permute(0, 2, 1)[:, :, None, :]
+            picked = parts.logits.gather(3, index.expand(sets, fold, units, group))
             lse = parts.lse[..., None]
             picked = torch.where(torch.isfinite(lse), picked - lse, -torch.inf)
             picked = picked.permute(1, 0, 3, 2).reshape(fold, values.shape[0], units)
@@ -148,11 +149,11 @@ class FoldedInput(nn.Module):
                 index = values.T[:, None, :].expand(fold, units, batch)
                 picked = log_probs.gather(2, index).transpose(1, 2)
         else:
-            # one parameter set per group of rows_per_set consecutive rows (see evaluate)
+            # one parameter set per group of consecutive rows (see evaluate)
             sets, fold, units = log_probs.shape[:3]
-            rows_per_set = values.shape[0] // max(sets, 1)
-            index = values.view(sets, rows_per_set, fold).permute(0, 2, 1)[:, :, None, :]
-            picked = log_probs.gather(3, index.expand(sets, fold, units, rows_per_set))
+            group = rows_per_set(values.shape[0], sets)
+            index = values.view(sets, group, fold).permute(0, 2, 1)[:, :, None, :]
+            picked = log_probs.gather(3, index.expand(sets, fold, units, group))
             picked = picked.permute(1, 0, 3, 2).reshape(fold, values.shape[0], units)
         is_observed = observed[:, self.variables].T  # (F, B)
         if self.any_integrated:
@@ -176,7 +177,8 @@ class FoldedInput(nn.Module):
         if summed_out.dim() == 2:
             summed_out = summed_out[:, None, :]
         elif summed_out.shape[1] != values.shape[0]:  # per-set masses -> per-row
-            summed_out = summed_out.repeat_interleave(values.shape[0] // max(summed_out.shape[1], 1), 1)
+            summed_out = summed_out.repeat_interleave(
+                rows_per_set(values.shape[0], summed_out.shape[1]), 1)
         return torch.where(is_observed[:, :, None], picked, summed_out)
 
 
@@ -281,100 +283,19 @@ class FoldedSum(RoutedFold):
         return self.parameterization.log_weights(self.raw if raw is None else raw)
 
     def forward(self, inputs: Tensor, log_weights: Tensor, semiring: Semiring = Semiring.SUM,
-                weights: ExpWeights | None = None, keep: dict[str, Tensor] | None = None) -> Tensor:
+                weights: WeightsLike | None = None, keep: dict[str, Tensor] | None = None) -> Tensor:
         """``inputs`` (F, B, D) log-values -> (F, B, K) log-values of the sum units.
 
-        ``weights`` and ``keep`` (SUM only): see :func:`log_matmul`.
+        ``weights`` and ``keep`` (SUM only): see :func:`circuits.kernels.log_matmul`.
         """
         if semiring is Semiring.MAX:
             if log_weights.dim() == 3:
                 return (inputs[:, :, None, :] + log_weights[:, None, :, :]).amax(-1)
             per_row = log_weights.transpose(0, 1)  # (F, S, K, D)
             if per_row.shape[1] != inputs.shape[1]:
-                per_row = per_row.repeat_interleave(inputs.shape[1] // per_row.shape[1], dim=1)
+                per_row = per_row.repeat_interleave(rows_per_set(inputs.shape[1], per_row.shape[1]), dim=1)
             return (inputs[:, :, None, :] + per_row).amax(-1)
-        return log_matmul(inputs, log_weights, weights, keep)
-
-
-class ExpWeights(NamedTuple):
-    """The weight operand of :func:`log_matmul`, from :func:`exp_weights`.
-
-    ``weights``: ``exp(log_weights - max)`` as ``(F, K, D)`` or, per set, ``(F * S, K, D)``
-    (fold-major, the layout of the batched matmul); ``transposed``: its ``(.., D, K)`` view;
-    ``shift``: the max, ``(F, 1, K)`` or ``(F, S, 1, K)`` (0 for all ``-inf`` rows).
-    """
-
-    weights: Tensor
-    transposed: Tensor
-    shift: Tensor
-
-
-def exp_weights(log_weights: Tensor) -> ExpWeights:
-    """:class:`ExpWeights` of ``log_weights`` (F, K, D) or (S, F, K, D)."""
-    w_max = log_weights.detach().amax(-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0,
-                                                                    neginf=0.0)
-    weights = (log_weights - w_max).exp_()
-    if weights.dim() == 3:
-        return ExpWeights(weights, weights.transpose(1, 2), w_max.squeeze(-1)[:, None, :])
-    sets, fold, units, width = weights.shape
-    weights = weights.transpose(0, 1).reshape(fold * sets, units, width)
-    return ExpWeights(weights, weights.transpose(1, 2),
-                      w_max.squeeze(-1).transpose(0, 1)[:, :, None, :])
-
-
-def log_matmul(inputs: Tensor, log_weights: Tensor, weights: ExpWeights | None = None,
-               keep: dict[str, Tensor] | None = None) -> Tensor:
-    """``log(exp(inputs) @ exp(log_weights)^T)`` per fold, stable and NaN-free.
-
-    Args:
-        inputs: (F, B, D) log-values.
-        log_weights: (F, K, D) shared by the batch, or (S, F, K, D): one set per group of
-            ``B // S`` consecutive rows (``S = B``: one set per row).
-        weights: :func:`exp_weights` of ``log_weights`` when already computed (e.g. cached by
-            :class:`~circuits.compiled.prepared.LogParameters` for several passes).
-        keep: when given, the gradient-free torch path stores its shifted linear-domain operands
-            there: ``probs = exp(inputs - max)`` (F, B, D) and ``total = probs W^T`` (F, B, K),
-            for a derivative pass (:mod:`circuits.compiled.derivatives`).
-
-    Returns:
-        (F, B, K). Both operands are shifted by their maxima before exponentiating, so nothing
-        overflows; rows whose true value is 0 come out as ``-inf`` with zero (not NaN) gradients.
-        When :mod:`circuits.kernels` selects triton, one fused kernel computes the same values.
-    """
-    if log_weights.dim() == 4 and inputs.shape[1] % max(log_weights.shape[0], 1) != 0:
-        raise ValueError(f"{inputs.shape[1]} rows cannot be split into groups for "
-                         f"{log_weights.shape[0]} weight sets")
-    if log_weights.dim() == 3 or log_weights.shape[0] == inputs.shape[1]:
-        fused = triton_log_matmul(inputs, log_weights)
-        if fused is not None:
-            return fused
-    grad = torch.is_grad_enabled() and (inputs.requires_grad or log_weights.requires_grad)
-    # non-finite maxima (all -inf rows) shift by 0; nan_to_num avoids slow bool masks on CPU
-    in_max = (inputs.detach() if grad else inputs).amax(-1, keepdim=True).nan_to_num_(
-        nan=0.0, posinf=0.0, neginf=0.0)
-    probs = (inputs - in_max).exp_()
-    w = exp_weights(log_weights) if weights is None else weights
-    if log_weights.dim() == 3:
-        total = torch.bmm(probs, w.transposed)  # (F, B, K)
-        shift = in_max + w.shift
-    else:  # one weight set per group of batch // sets consecutive rows
-        fold, batch, width = probs.shape
-        sets, units = log_weights.shape[0], log_weights.shape[2]
-        groups = batch // max(sets, 1)
-        total = torch.bmm(probs.reshape(fold * sets, groups, width), w.transposed)
-        total = total.view(fold, batch, units)
-        shift = (in_max.view(fold, sets, groups, 1) + w.shift).view(fold, batch, units)
-    if grad:
-        positive = total > 0  # masked so that zero rows get zero, not NaN, gradients
-        safe = torch.where(positive, total, torch.ones_like(total))
-        return torch.where(positive, torch.log(safe) + shift, torch.full_like(total, -torch.inf))
-    # no gradient needed: the same values without bool masks (log 0 = -inf; NaN -> -inf as above)
-    if keep is not None:
-        keep["probs"], keep["total"] = probs, total
-        out = total.log()
-    else:
-        out = total.log_()
-    return out.add_(shift).nan_to_num_(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+        return log_matmul(inputs, log_weights, weights=weights, keep=keep)
 
 
 class FoldedProduct(RoutedFold):

@@ -1,4 +1,9 @@
-"""Exact conditional queries on a compiled circuit.
+"""The probability queries on a compiled circuit: marginals, the partition function, conditionals.
+
+Each query is a function over a :class:`~circuits.compiled.core.CircuitCore` and the parameters
+it was given, which it turns into one :class:`~circuits.compiled.prepared.LogParameters` on entry
+(validated once, normalised once); :class:`~circuits.compiled.circuit.CompiledCircuit` exposes
+them as methods.
 
 Conditionals use the derivative identity of smooth, decomposable circuits: the circuit is linear
 in the outputs of the input units of any one variable ``X_i``, so with ``X_i`` summed out,
@@ -21,15 +26,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from circuits.compiled.circuit import CompiledCircuit, LogParameters, ParamsLike, Trace
+from circuits.compiled.core import CircuitCore
 from circuits.compiled.derivatives import input_gradients
 from circuits.compiled.layers import FoldedInput, SoftmaxParts
-from circuits.compiled.prepared import prepare
+from circuits.compiled.prepared import LogParameters, ParamsLike, Trace
 from circuits.errors import InvalidInputError
+from circuits.kernels import rows_per_set
 from circuits.kernels.softmax import softmax_mixture
 
 
-def _uniform_categories(circuit: CompiledCircuit, variables: Sequence[int]) -> int:
+def _uniform_categories(circuit: CircuitCore, variables: Sequence[int]) -> int:
     sizes = {circuit.category_sizes[v] for v in variables}
     if len(sizes) != 1:
         raise InvalidInputError(
@@ -38,7 +44,7 @@ def _uniform_categories(circuit: CompiledCircuit, variables: Sequence[int]) -> i
     return sizes.pop()
 
 
-def _check_order(circuit: CompiledCircuit, order: Sequence[int] | None) -> list[int]:
+def _check_order(circuit: CircuitCore, order: Sequence[int] | None) -> list[int]:
     if order is None:
         return list(circuit.scope)
     order = [int(v) for v in order]
@@ -49,20 +55,37 @@ def _check_order(circuit: CompiledCircuit, order: Sequence[int] | None) -> list[
     return order
 
 
-def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
-                     params: dict[str, Tensor] | LogParameters, num_categories: int) -> Tensor:
+def log_marginal(circuit: CircuitCore, x: Tensor, observed: Tensor | None = None,
+                 params: ParamsLike | None = None) -> Tensor:
+    """``log sum_{unobserved} c(x)`` per row, ``(B,)``: the log-likelihood when ``observed`` is
+    None (everything observed)."""
+    x, observed = circuit.validate_data(x, observed)
+    return circuit.evaluate(x, observed, circuit.resolve_params(params, x.shape[0]))
+
+
+def log_partition(circuit: CircuitCore, params: ParamsLike | None = None) -> Tensor:
+    """``log Z``: a scalar, or ``(B,)`` when external parameters with batch B are given."""
+    prepared = circuit.resolve_params(params, None)
+    sets = prepared.batch
+    batch = 1 if sets is None else sets  # 0 parameter sets: 0 values, not 1
+    x = torch.zeros(batch, circuit.num_variables, dtype=torch.long, device=circuit.categories.device)
+    observed = torch.zeros_like(x, dtype=torch.bool)
+    value = circuit.evaluate(x, observed, prepared)
+    return value if sets is not None else value[0]
+
+
+def all_conditionals(circuit: CircuitCore, x: Tensor, observed: Tensor,
+                     prepared: LogParameters, num_categories: int) -> Tensor:
     """``(B, V, C)`` probabilities ``p(X_v = c | evidence)`` on validated inputs.
 
     Rows of variables that are observed (or outside the scope) hold meaningless values; the
     callers select the unobserved variables they were asked about. Not differentiable. One
-    bottom-up pass and one derivative pass (:func:`~circuits.compiled.derivatives.input_gradients`);
-    with a :class:`LogParameters` nothing is re-normalised and its cached ``exp`` serves repeated
-    calls.
+    bottom-up pass and one derivative pass (:func:`~circuits.compiled.derivatives.input_gradients`)
+    on ``prepared`` (:meth:`~circuits.compiled.core.CircuitCore.resolve_params`): nothing is
+    re-normalised and its cached ``exp`` serves repeated calls.
     """
     batch = x.shape[0]
     with torch.no_grad():
-        prepared = params if isinstance(params, LogParameters) else prepare(
-            circuit.plans, circuit.folds, params, circuit.params_batch_size(params))  # checked
         trace = Trace()
         root = circuit.evaluate(x, observed, prepared, trace=trace)
         grads = input_gradients(circuit, trace, prepared)
@@ -83,7 +106,7 @@ def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
             else:  # one parameter set per group of batch // sets rows: (F S) batched matmuls
                 sets, fold, units, size = probs.shape
                 per_set = probs.transpose(0, 1).reshape(fold * sets, units, size)
-                grouped = weight.reshape(fold * sets, batch // max(sets, 1), units)
+                grouped = weight.reshape(fold * sets, rows_per_set(batch, sets), units)
                 contribution = torch.bmm(grouped, per_set).view(fold, batch, size)
             if module.any_integrated:
                 variables, contribution = module.variables[module.live], contribution[module.live]
@@ -93,7 +116,7 @@ def all_conditionals(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
     return result
 
 
-def log_conditional(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
+def log_conditional(circuit: CircuitCore, x: Tensor, observed: Tensor,
                     variables: Sequence[int] | None = None, params: ParamsLike | None = None) -> Tensor:
     """``log p(X_v | evidence)`` for each queried variable, as full vectors over categories.
 
@@ -109,7 +132,7 @@ def log_conditional(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
         probability zero give NaN.
     """
     x, observed = circuit.validate_data(x, observed)
-    checked = circuit.validate_params(params, x.shape[0])
+    prepared = circuit.resolve_params(params, x.shape[0])
     if variables is None:
         variables = [v for v in circuit.scope if not bool(observed[:, v].any())]
     variables = [int(v) for v in variables]
@@ -122,11 +145,11 @@ def log_conditional(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
             raise InvalidInputError(
                 f"variable {v} is observed in some rows; a conditional query needs it unobserved")
     size = _uniform_categories(circuit, variables)
-    probs = all_conditionals(circuit, x, observed, checked, size)[:, variables]
+    probs = all_conditionals(circuit, x, observed, prepared, size)[:, variables]
     return torch.log(probs / probs.sum(-1, keepdim=True))
 
 
-def log_prefix_marginals(circuit: CompiledCircuit, x: Tensor, order: Sequence[int] | None = None,
+def log_prefix_marginals(circuit: CircuitCore, x: Tensor, order: Sequence[int] | None = None,
                          params: ParamsLike | None = None) -> Tensor:
     """``log q(x_{o_1}, ..., x_{o_i})`` for every prefix length ``i = 1..n`` in one pass.
 
@@ -140,16 +163,16 @@ def log_prefix_marginals(circuit: CompiledCircuit, x: Tensor, order: Sequence[in
     order = _check_order(circuit, order)
     x, _ = circuit.validate_data(x)
     batch, steps = x.shape[0], len(order)
-    checked = circuit.validate_params(params, batch)
+    prepared = circuit.resolve_params(params, batch)
     position = torch.full((circuit.num_variables,), steps, dtype=torch.long, device=x.device)
     position[torch.tensor(order, device=x.device)] = torch.arange(steps, device=x.device)
     observed = position[None, :] <= torch.arange(steps, device=x.device)[:, None]  # (n, V)
     rows = x.repeat_interleave(steps, dim=0)
     mask = observed.repeat(batch, 1)
-    return circuit.evaluate(rows, mask, checked).view(batch, steps)  # sets shared by prefixes
+    return circuit.evaluate(rows, mask, prepared).view(batch, steps)  # sets shared by prefixes
 
 
-def log_prefix_conditionals(circuit: CompiledCircuit, x: Tensor, order: Sequence[int] | None = None,
+def log_prefix_conditionals(circuit: CircuitCore, x: Tensor, order: Sequence[int] | None = None,
                             params: ParamsLike | None = None) -> Tensor:
     """``log q(X_{o_i} | x_{o_1}, ..., x_{o_{i-1}})`` as full vectors, for every ``i`` at once.
 
@@ -162,15 +185,18 @@ def log_prefix_conditionals(circuit: CompiledCircuit, x: Tensor, order: Sequence
     order = _check_order(circuit, order)
     x, _ = circuit.validate_data(x)
     batch, steps = x.shape[0], len(order)
-    checked = circuit.validate_params(params, batch)
+    prepared = circuit.resolve_params(params, batch)
     size = _uniform_categories(circuit, order)
     order_t = torch.tensor(order, device=x.device)
     position = torch.full((circuit.num_variables,), steps, dtype=torch.long, device=x.device)
     position[order_t] = torch.arange(steps, device=x.device)
     observed = position[None, :] < torch.arange(steps, device=x.device)[:, None]  # (n, V)
     rows = x.repeat_interleave(steps, dim=0)
-    probs = all_conditionals(circuit, rows, observed.repeat(batch, 1),
-                             checked, size)
+    probs = all_conditionals(circuit, rows, observed.repeat(batch, 1), prepared, size)
     picked = probs.view(batch, steps, circuit.num_variables, size)[
         :, torch.arange(steps, device=x.device), order_t]
     return torch.log(picked / picked.sum(-1, keepdim=True))
+
+
+__all__ = ["all_conditionals", "log_conditional", "log_marginal", "log_partition",
+           "log_prefix_conditionals", "log_prefix_marginals"]

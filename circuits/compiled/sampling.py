@@ -26,12 +26,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from circuits.compiled.circuit import CompiledCircuit, LogParameters, ParamsLike, Trace
+from circuits.compiled.core import CircuitCore
 from circuits.compiled.folding import FoldKind
 from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring, SoftmaxParts
+from circuits.compiled.prepared import ParamsLike, Trace
 from circuits.compiled.validity import check_evidence
 from circuits.errors import InvalidInputError
-from circuits.kernels import GumbelChooser, choose_sum_children
+from circuits.kernels import GumbelChooser, choose_sum_children, rows_of
 from circuits.symbolic import ProductKind
 
 Chooser = Callable[[Tensor], Tensor]
@@ -48,16 +49,6 @@ def gumbel_chooser(generator: torch.Generator | None) -> Chooser:
 
 def argmax_chooser(logits: Tensor) -> Tensor:
     return logits.argmax(-1)
-
-
-def _rows(table: Tensor, unit: Tensor) -> Tensor:
-    """Pick row ``unit[f, b]`` of a ``(F, K, D)`` or ``(B, F, K, D)`` table: ``(F, B, D)``."""
-    fold, batch = unit.shape
-    folds = torch.arange(fold, device=unit.device)[:, None]
-    if table.dim() == 3:
-        return table[folds, unit]
-    rows = torch.arange(batch, device=unit.device)[None, :] // max(batch // max(table.shape[0], 1), 1)
-    return table[rows, folds, unit]
 
 
 def _choose_categories(choose: Chooser, table: Tensor | SoftmaxParts, unit: Tensor) -> Tensor:
@@ -83,7 +74,7 @@ def _choose_categories(choose: Chooser, table: Tensor | SoftmaxParts, unit: Tens
             return table.argmax(-1)[folds, unit]
         if isinstance(choose, GumbelChooser):
             return _inverse_cdf(table, unit, choose.uniforms(tuple(unit.shape), unit.device))
-    return choose(_rows(table, unit))
+    return choose(rows_of(table, unit))
 
 
 def _inverse_cdf(table: Tensor, unit: Tensor, uniforms: Tensor) -> Tensor:
@@ -117,7 +108,7 @@ def _send(chosen: list[Tensor], module: FoldedSum | FoldedProduct, h: int, unit:
         target.scatter_reduce_(0, slot_index[:, None].expand_as(values), values, "amax")
 
 
-def descend(circuit: CompiledCircuit, trace: Trace, x: Tensor, observed: Tensor,
+def descend(circuit: CircuitCore, trace: Trace, x: Tensor, observed: Tensor,
             choose: Chooser) -> Tensor:
     """The top-down pass: returns the completed assignment ``(B, V)`` (-1 outside the scope)."""
     batch = x.shape[0]
@@ -172,21 +163,8 @@ def descend(circuit: CompiledCircuit, trace: Trace, x: Tensor, observed: Tensor,
     return result
 
 
-def _log_params_only(circuit: CompiledCircuit,
-                     params: dict[str, Tensor] | LogParameters) -> Trace:
-    if isinstance(params, LogParameters):
-        return Trace(log_params=dict(params.values))
-    trace = Trace()
-    for plan, module in zip(circuit.plans, circuit.folds, strict=True):
-        if isinstance(module, FoldedInput):
-            trace.log_params[plan.fold_id] = module.log_probs(params.get(plan.name))
-        elif isinstance(module, FoldedSum):
-            trace.log_params[plan.fold_id] = module.log_weights(params.get(plan.name))
-    return trace
-
-
 @torch.no_grad()
-def conditional_sample(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
+def conditional_sample(circuit: CircuitCore, x: Tensor, observed: Tensor,
                        generator: torch.Generator | None = None,
                        params: ParamsLike | None = None) -> Tensor:
     """One exact sample of the unobserved variables from ``p(. | evidence)`` per row.
@@ -205,22 +183,22 @@ def conditional_sample(circuit: CompiledCircuit, x: Tensor, observed: Tensor,
             posterior to sample from); the error names the rows and the log-probability.
     """
     x, observed = circuit.validate_data(x, observed)
-    checked = circuit.validate_params(params, x.shape[0])
+    prepared = circuit.resolve_params(params, x.shape[0])
     trace = Trace()
-    check_evidence(circuit.evaluate(x, observed, checked, trace=trace), "conditional_sample")
+    check_evidence(circuit.evaluate(x, observed, prepared, trace=trace), "conditional_sample")
     return descend(circuit, trace, x, observed, gumbel_chooser(generator))
 
 
 @torch.no_grad()
-def sample(circuit: CompiledCircuit, num_samples: int | None = None,
+def sample(circuit: CircuitCore, num_samples: int | None = None,
            generator: torch.Generator | None = None, params: ParamsLike | None = None) -> Tensor:
     """Exact samples from the circuit's distribution: ``(num_samples, V)`` long.
 
     With external parameters of batch B, draws one sample per parameter set (``num_samples``
     may be omitted or must equal B). A normalised circuit needs no bottom-up pass at all.
     """
-    checked = circuit.validate_params(params, None)
-    batch = circuit.params_batch_size(checked)
+    prepared = circuit.resolve_params(params, None)
+    batch = prepared.batch
     if batch is None:
         if num_samples is None or not isinstance(num_samples, int) or num_samples < 1:
             raise InvalidInputError(f"num_samples must be a positive int, got {num_samples!r}")
@@ -232,16 +210,16 @@ def sample(circuit: CompiledCircuit, num_samples: int | None = None,
     device = circuit.categories.device
     x = torch.zeros(batch, circuit.num_variables, dtype=torch.long, device=device)
     observed = torch.zeros_like(x, dtype=torch.bool)
-    if circuit.normalized:
-        trace = _log_params_only(circuit, checked)
+    if circuit.normalized:  # the weights alone: no bottom-up pass
+        trace = Trace(log_params=dict(prepared.values))
     else:
         trace = Trace()
-        circuit.evaluate(x, observed, checked, trace=trace)
+        circuit.evaluate(x, observed, prepared, trace=trace)
     return descend(circuit, trace, x, observed, gumbel_chooser(generator))
 
 
 @torch.no_grad()
-def map_state(circuit: CompiledCircuit, x: Tensor | None = None, observed: Tensor | None = None,
+def map_state(circuit: CircuitCore, x: Tensor | None = None, observed: Tensor | None = None,
               params: ParamsLike | None = None) -> tuple[Tensor, Tensor]:
     """Most probable completion of the evidence by max-product, and its max-product log-value.
 
@@ -261,8 +239,8 @@ def map_state(circuit: CompiledCircuit, x: Tensor | None = None, observed: Tenso
             completion is impossible, so none is most probable).
     """
     if x is None:  # the parameters fix the batch
-        checked = circuit.validate_params(params, None)
-        batch = circuit.params_batch_size(checked)
+        prepared = circuit.resolve_params(params, None)
+        batch = prepared.batch
         x = torch.zeros(1 if batch is None else batch, circuit.num_variables, dtype=torch.long,
                         device=circuit.categories.device)
         if observed is None:
@@ -273,9 +251,9 @@ def map_state(circuit: CompiledCircuit, x: Tensor | None = None, observed: Tenso
             observed = torch.zeros(circuit.num_variables, dtype=torch.bool,
                                    device=circuit.categories.device)
         x, observed = circuit.validate_data(x, observed)
-        checked = circuit.validate_params(params, x.shape[0])
+        prepared = circuit.resolve_params(params, x.shape[0])
     trace = Trace()
-    value = circuit.evaluate(x, observed, checked, semiring=Semiring.MAX, trace=trace)
+    value = circuit.evaluate(x, observed, prepared, semiring=Semiring.MAX, trace=trace)
     check_evidence(value, "map_state")
     return descend(circuit, trace, x, observed, argmax_chooser), value
 

@@ -24,7 +24,7 @@ synchronisation per call.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,16 +62,18 @@ class ParameterTable:
 
 
 def parameter_tables(plans: Sequence[FoldPlan], folds: Iterable[nn.Module],
-                     external: Mapping[str, Tensor]) -> list[ParameterTable]:
+                     external: Mapping[str, Tensor],
+                     verified: Container[int] = ()) -> list[ParameterTable]:
     """Every parameterised fold's raw table a query will use: ``external[name]`` where given,
-    else the fold's own ``raw``."""
+    else the fold's own ``raw``, unless its fold id is ``verified`` (own parameters unchanged,
+    bit for bit, since they were last checked)."""
     tables = []
     for plan, module in zip(plans, folds, strict=True):
         if isinstance(module, (FoldedInput, FoldedSum)):
             given = external.get(plan.name)
             if given is not None:
                 tables.append(ParameterTable(f"params[{plan.name!r}]", given, plan.layers))
-            else:
+            elif plan.fold_id not in verified:
                 tables.append(ParameterTable(f"{plan.name!r} (the circuit's own parameters, raw)",
                                              module.raw, plan.layers))
     return tables

@@ -11,7 +11,8 @@ not compile with the installed triton or GPU falls back to torch with one
 :data:`OLDEST_TESTED_TRITON` are left to torch.
 
 Operations (:mod:`circuits.kernels.ops`): :func:`log_matmul` (the log-space sum layer, forward
-and backward; :func:`circuits.compiled.layers.log_matmul` dispatches to it) and
+and backward: one dispatch between :func:`torch_log_matmul` and the fused kernel; the compiled
+sum folds call it) and
 :func:`sum_child_choice` (the Gumbel-max top-down step through a sum fold, used by the sampler
 through :func:`choose_sum_children`). :mod:`circuits.kernels.softmax`:
 :func:`~circuits.kernels.softmax.softmax_stats` (log-normalisers, selected log-probabilities and
@@ -44,23 +45,28 @@ from circuits.kernels.backend import (
     use_triton,
 )
 from circuits.kernels.ops import (
+    ExpWeights,
     GumbelChooser,
     TritonLogMatmul,
     choose_sum_children,
+    exp_weights,
     gumbel_argmax,
     log_matmul,
     log_matmul_backward,
     rows_of,
+    rows_per_set,
     sum_child_choice,
+    torch_log_matmul,
     triton_log_matmul,
 )
 
 __all__ = [
-    "ENV_VAR", "OLDEST_TESTED_TRITON", "GumbelChooser", "KernelBackend", "KernelBackendError",
-    "KernelFallbackWarning", "TritonKernel", "TritonLogMatmul", "choose_sum_children",
-    "failed_kernels", "gumbel_argmax", "interpreter_enabled", "interpreter_usable", "log_matmul",
-    "log_matmul_backward", "parse_backend", "requested_backend", "reset_triton_import_cache",
-    "resolve_backend", "rows_of", "run_triton", "set_backend", "sum_child_choice",
+    "ENV_VAR", "OLDEST_TESTED_TRITON", "ExpWeights", "GumbelChooser", "KernelBackend",
+    "KernelBackendError", "KernelFallbackWarning", "TritonKernel", "TritonLogMatmul",
+    "choose_sum_children", "exp_weights", "failed_kernels", "gumbel_argmax", "interpreter_enabled",
+    "interpreter_usable", "log_matmul", "log_matmul_backward", "parse_backend",
+    "requested_backend", "reset_triton_import_cache", "resolve_backend", "rows_of",
+    "rows_per_set", "run_triton", "set_backend", "sum_child_choice", "torch_log_matmul",
     "triton_available", "triton_import_error", "triton_log_matmul", "triton_version",
     "use_backend", "use_triton",
 ]

@@ -1,9 +1,10 @@
 """The fused operations, each with a torch path (the reference) and a triton path.
 
 * :func:`log_matmul`: the log-space sum layer ``out[f, b, k] = log sum_d exp(x[f, b, d] +
-  logw[f, k, d])`` (weights ``(F, K, D)`` shared by the batch, or ``(B, F, K, D)`` one set per
-  row), differentiable in both arguments. The torch path is
-  :func:`circuits.compiled.layers.log_matmul`; the triton path is one fused kernel forward and,
+  logw[f, k, d])`` (weights ``(F, K, D)`` shared by the batch, or ``(S, F, K, D)``: one set per
+  group of ``B / S`` consecutive rows), differentiable in both arguments. One dispatch picks the
+  torch path (:func:`torch_log_matmul`, the reference) or the triton path: one fused kernel
+  forward and,
   for shared weights, two fused kernels backward (``dx`` and ``dlogw``, exponentials computed on
   the fly); per-row weights and double backward (``create_graph=True``) use the exact torch math
   of :func:`log_matmul_backward`, the expression autograd derives for the torch path.
@@ -17,8 +18,10 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,30 +34,38 @@ from circuits.kernels.backend import (
     record_failure,
     requested_backend,
     run_triton,
-    use_backend,
     use_triton,
 )
 
 
 def _fused() -> ModuleType:
     """The triton launchers (imported only when a triton path runs: triton is optional)."""
-    from circuits.kernels import _triton
+    return importlib.import_module("circuits.kernels._triton")
 
-    return _triton
+
+def rows_per_set(batch: int, sets: int) -> int:
+    """How many consecutive rows of a batch of ``batch`` each of ``sets`` parameter sets serves.
+
+    The grouped layout of per-call parameters: set ``s`` serves rows ``s * g .. (s + 1) * g - 1``
+    with ``g = batch // sets`` (``sets = batch``: one set per row). No sets serve no rows.
+    """
+    return batch // max(sets, 1)
 
 
 def _check_log_matmul(x: Tensor, logw: Tensor) -> None:
     if x.dim() != 3 or logw.dim() not in (3, 4):
         raise InvalidInputError(
-            f"log_matmul needs x (F, B, D) and logw (F, K, D) or (B, F, K, D), got "
+            f"log_matmul needs x (F, B, D) and logw (F, K, D) or (S, F, K, D), got "
             f"{tuple(x.shape)} and {tuple(logw.shape)}")
     fold, batch, width = x.shape
-    expected = (fold, width) if logw.dim() == 3 else (batch, fold, width)
-    got = (logw.shape[0], logw.shape[2]) if logw.dim() == 3 else (*logw.shape[:2], logw.shape[3])
-    if tuple(got) != expected or x.dtype != logw.dtype:
+    if (logw.shape[-3], logw.shape[-1]) != (fold, width) or x.dtype != logw.dtype:
         raise InvalidInputError(
             f"log_matmul: x {tuple(x.shape)} {x.dtype} does not match logw {tuple(logw.shape)} "
-            f"{logw.dtype} (same dtype; shared weights (F, K, D), per-row weights (B, F, K, D))")
+            f"{logw.dtype} (same dtype; shared weights (F, K, D), per-row weights (B, F, K, D) or "
+            f"one set per group of rows (S, F, K, D))")
+    if logw.dim() == 4 and batch % max(logw.shape[0], 1) != 0:
+        raise InvalidInputError(f"log_matmul: {batch} rows cannot be split into groups for "
+                                f"{logw.shape[0]} weight sets (S must divide B)")
 
 
 def _finite_max(t: Tensor) -> Tensor:
@@ -139,6 +150,85 @@ class TritonLogMatmul(torch.autograd.Function):
         return (*log_matmul_backward(x, logw, out, grad, needs), None)
 
 
+class ExpWeights(NamedTuple):
+    """The weight operand of :func:`torch_log_matmul`, from :func:`exp_weights`.
+
+    ``weights``: ``exp(log_weights - max)`` as ``(F, K, D)`` or, per set, ``(F * S, K, D)``
+    (fold-major, the layout of the batched matmul); ``transposed``: its ``(.., D, K)`` view;
+    ``shift``: the max, ``(F, 1, K)`` or ``(F, S, 1, K)`` (0 for all ``-inf`` rows).
+    """
+
+    weights: Tensor
+    transposed: Tensor
+    shift: Tensor
+
+
+def exp_weights(log_weights: Tensor) -> ExpWeights:
+    """:class:`ExpWeights` of ``log_weights`` (F, K, D) or (S, F, K, D)."""
+    w_max = log_weights.detach().amax(-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0,
+                                                                    neginf=0.0)
+    weights = (log_weights - w_max).exp_()
+    if weights.dim() == 3:
+        return ExpWeights(weights, weights.transpose(1, 2), w_max.squeeze(-1)[:, None, :])
+    sets, fold, units, width = weights.shape
+    weights = weights.transpose(0, 1).reshape(fold * sets, units, width)
+    return ExpWeights(weights, weights.transpose(1, 2),
+                      w_max.squeeze(-1).transpose(0, 1)[:, :, None, :])
+
+
+#: the weight operand, or a function making it only when the torch path runs (e.g. a cache)
+WeightsLike = ExpWeights | Callable[[], ExpWeights]
+
+
+def torch_log_matmul(x: Tensor, logw: Tensor, weights: WeightsLike | None = None,
+                     keep: dict[str, Tensor] | None = None) -> Tensor:
+    """The torch path (the reference) of :func:`log_matmul`, on unchecked operands.
+
+    Args:
+        x: (F, B, D) log-values.
+        logw: (F, K, D) shared by the batch, or (S, F, K, D): one set per group of ``B // S``
+            consecutive rows (:func:`rows_per_set`).
+        weights: :func:`exp_weights` of ``logw`` when already computed (e.g. cached by
+            :class:`~circuits.compiled.prepared.LogParameters` for several passes), or a function
+            returning it.
+        keep: when given, the gradient-free path stores its shifted linear-domain operands
+            there: ``probs = exp(x - max)`` (F, B, D) and ``total = probs W^T`` (F, B, K), for a
+            derivative pass (:mod:`circuits.compiled.derivatives`).
+
+    Both operands are shifted by their maxima before exponentiating, so nothing overflows; rows
+    whose true value is 0 come out as ``-inf`` with zero (not NaN) gradients.
+    """
+    grad = torch.is_grad_enabled() and (x.requires_grad or logw.requires_grad)
+    # non-finite maxima (all -inf rows) shift by 0; nan_to_num avoids slow bool masks on CPU
+    in_max = (x.detach() if grad else x).amax(-1, keepdim=True).nan_to_num_(
+        nan=0.0, posinf=0.0, neginf=0.0)
+    probs = (x - in_max).exp_()
+    if callable(weights):  # made only now that the torch path runs
+        weights = weights()
+    w = exp_weights(logw) if weights is None else weights
+    if logw.dim() == 3:
+        total = torch.bmm(probs, w.transposed)  # (F, B, K)
+        shift = in_max + w.shift
+    else:  # one weight set per group of batch // sets consecutive rows
+        fold, batch, width = probs.shape
+        sets, units = logw.shape[0], logw.shape[2]
+        groups = rows_per_set(batch, sets)
+        total = torch.bmm(probs.reshape(fold * sets, groups, width), w.transposed)
+        total = total.view(fold, batch, units)
+        shift = (in_max.view(fold, sets, groups, 1) + w.shift).view(fold, batch, units)
+    if grad:
+        positive = total > 0  # masked so that zero rows get zero, not NaN, gradients
+        safe = torch.where(positive, total, torch.ones_like(total))
+        return torch.where(positive, torch.log(safe) + shift, torch.full_like(total, -torch.inf))
+    # no gradient needed: the same values without bool masks (log 0 = -inf; NaN -> -inf as above)
+    if keep is not None:
+        keep["probs"], keep["total"] = probs, total
+        out = total.log()
+    else:
+        out = total.log_()
+    return out.add_(shift).nan_to_num_(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+
+
 def triton_log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = None) -> Tensor | None:
     """The fused :func:`log_matmul` when triton is selected for it, else ``None`` (run torch).
 
@@ -149,25 +239,30 @@ def triton_log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = Non
     return run_triton(kernel, (x, logw), lambda: TritonLogMatmul.apply(x, logw, auto), backend)
 
 
-def log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = None) -> Tensor:
+def log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = None, *,
+               weights: WeightsLike | None = None, keep: dict[str, Tensor] | None = None) -> Tensor:
     """``log(exp(x) @ exp(logw)^T)`` per fold, stable, ``-inf`` safe and differentiable.
+
+    The one dispatch of the log-space sum layer: the fused triton kernel where it is selected for
+    these operands (shared weights, or one set per row), :func:`torch_log_matmul` otherwise.
 
     Args:
         x: (F, B, D) log-values.
-        logw: (F, K, D) shared by the batch, or (B, F, K, D) one set per row; x's dtype.
+        logw: (F, K, D) shared by the batch, or (S, F, K, D) one set per group of ``B // S``
+            consecutive rows (``S = B``: one set per row); x's dtype.
         backend: force a backend for this call (default: see :mod:`circuits.kernels.backend`).
+        weights, keep: torch path only, see :func:`torch_log_matmul` (``weights`` is not
+            computed when triton runs).
 
     Returns:
         (F, B, K); an all ``-inf`` row gives ``-inf`` with zero gradients, never NaN.
     """
     _check_log_matmul(x, logw)
-    fused = triton_log_matmul(x, logw, backend)
-    if fused is not None:
-        return fused
-    from circuits.compiled.layers import log_matmul as torch_log_matmul
-
-    with use_backend(KernelBackend.TORCH):  # the layer's own dispatch must not pick triton
-        return torch_log_matmul(x, logw)
+    if logw.dim() == 3 or logw.shape[0] == x.shape[1]:
+        fused = triton_log_matmul(x, logw, backend)
+        if fused is not None:
+            return fused
+    return torch_log_matmul(x, logw, weights, keep)
 
 
 def gumbel_argmax(logits: Tensor, uniforms: Tensor) -> Tensor:
@@ -176,12 +271,18 @@ def gumbel_argmax(logits: Tensor, uniforms: Tensor) -> Tensor:
 
 
 def rows_of(table: Tensor, unit: Tensor) -> Tensor:
-    """Row ``unit[f, b]`` (>= 0) of a ``(F, K, D)`` or ``(B, F, K, D)`` table: ``(F, B, D)``."""
+    """Row ``unit[f, b]`` (>= 0) of a ``(F, K, D)`` or ``(S, F, K, D)`` table: ``(F, B, D)``.
+
+    Per-set tables serve groups of consecutive rows (:func:`rows_per_set`; ``S = B``: one each).
+    """
     fold, batch = unit.shape
     folds = torch.arange(fold, device=unit.device)[:, None]
     if table.dim() == 3:
         return table[folds, unit]
-    return table[torch.arange(batch, device=unit.device)[None, :], folds, unit]
+    rows = torch.arange(batch, device=unit.device)[None, :]
+    if table.shape[0] != batch and batch:
+        rows = rows // rows_per_set(batch, table.shape[0])
+    return table[rows, folds, unit]
 
 
 def _check_choice(logw: Tensor, unit: Tensor, x: Tensor | None, uniforms: Tensor) -> None:

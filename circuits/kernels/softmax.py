@@ -19,6 +19,7 @@ log-normaliser ``-inf``, log-probabilities ``-inf`` and draws category 0.
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import NamedTuple
 
@@ -32,9 +33,7 @@ from circuits.kernels.ops import gumbel_argmax
 
 def _fused() -> ModuleType:
     """The triton launchers (imported only when a triton path runs: triton is optional)."""
-    from circuits.kernels import _triton_softmax
-
-    return _triton_softmax
+    return importlib.import_module("circuits.kernels._triton_softmax")
 
 
 class SoftmaxStats(NamedTuple):
