@@ -3,7 +3,7 @@
 Run ``python -m benchmarks.circuits_bench [--quick] [--out PATH] [--no-cirkit]``.
 
 For each of four circuits (batch 256, float32, 2 torch threads) it reports, from ONE run with
-the candidates timed round-robin (medians of repeats; see :mod:`benchmarks.timing`):
+the candidates timed round-robin (medians of repeats; see :mod:`circuits_llm.timing`):
 
 (a) folded vs the naive unfolded evaluation of the same circuit (``compile(c, fold=False)``,
     same parameters), for log-likelihood and for sampling;
@@ -29,7 +29,6 @@ import argparse
 import datetime as _dt
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -43,10 +42,9 @@ if __name__ == "__main__":  # before torch (and its OpenMP runtime) is loaded
 import torch
 
 from benchmarks import cirkit_bridge
-from benchmarks.timing import ModuleTimer, Timing, interleaved, write_json_atomic
 from circuits import Circuit, CompiledCircuit, compile
 from circuits.compiled.circuit import Trace
-from circuits.compiled.layers import FoldedInput, FoldedSum
+from circuits.compiled.layers import FoldedSum
 from circuits.region_graphs import (
     RegionGraph,
     SumProductPattern,
@@ -57,12 +55,10 @@ from circuits.region_graphs import (
     random_binary_tree,
 )
 from circuits.templates import btree, hmm
+from circuits_llm.timing import ModuleTimer, Timing, interleaved, machine_info, publish
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "circuits_bench.json"
-#: cirkit's sampler materialises (input folds, units, samples, variables) int64 tensors; above
-#: this many bytes we sample fewer rows from cirkit (and from ours, for a like-for-like ratio).
-CIRKIT_SAMPLING_BYTES = 600 * 2**20
 
 #: ``--quick`` times the unfolded reference only for circuits with at most this many layers.
 QUICK_UNFOLDED_FOLDS = 2000
@@ -147,20 +143,10 @@ def copy_parameters(source: CompiledCircuit, target: CompiledCircuit) -> None:
                 raw[slot].copy_(table[layer.uid])
 
 
-def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "logical_cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+def bench_machine() -> dict[str, Any]:
+    """What the numbers were measured on: :func:`circuits_llm.timing.machine_info`, the OpenMP
+    wait policy and how to read the numbers."""
+    return {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "note": "2 CPU cores shared with other jobs: only the ratios of one run are meaningful"}
 
 
@@ -238,48 +224,6 @@ def sum_share(compiled: CompiledCircuit, x: torch.Tensor, rounds: int) -> dict[s
     return {"share": shares[len(shares) // 2], "loglik_seconds_with_hooks": totals[len(totals) // 2]}
 
 
-# --------------------------------------------------------------------------------------- cirkit
-def cirkit_setup(case: CircuitCase, circuit: Circuit, folded: CompiledCircuit,
-                 x: torch.Tensor) -> tuple[dict[str, Any], Any]:
-    """Translate and compile the circuit in cirkit; returns (report, compiled cirkit circuit)."""
-    info: dict[str, Any] = {"installed": True, "version": cirkit_bridge.version()}
-    start = time.perf_counter()
-    symbolic = cirkit_bridge.translate(circuit, folded)
-    compiled = cirkit_bridge.compile_circuit(symbolic)
-    info["compile_seconds"] = time.perf_counter() - start
-    ours = sum(p.numel() for p in folded.parameters())
-    info["num_parameters"] = {"circuits": ours, "cirkit_translated": cirkit_bridge.num_parameters(compiled)}
-    try:
-        sum_units, input_units, categories = case.units
-        native = cirkit_bridge.native_from_region_graph(case.region_graph(), "cp-t", sum_units,
-                                                        input_units, categories)
-        info["num_parameters"]["cirkit_native_builder"] = cirkit_bridge.symbolic_num_parameters(native)
-    except Exception as error:
-        info["num_parameters"]["cirkit_native_builder"] = None
-        info["native_error"] = repr(error)
-    counts = info["num_parameters"]
-    info["parameters_match"] = counts["cirkit_translated"] == ours
-    info["native_parameters_match"] = counts["cirkit_native_builder"] == ours
-    info["native_note"] = case.native_note
-    with torch.inference_mode():
-        ours_ll = folded.log_likelihood(x)
-        theirs_ll = cirkit_bridge.log_likelihood_unclamped(compiled, x)
-        clamped = cirkit_bridge.log_likelihood(compiled, x) <= cirkit_bridge.LOG_CLAMP_MIN + 1e-3
-    info["loglik_max_abs_diff"] = float((ours_ll - theirs_ll).abs().max())
-    info["loglik_match"] = bool(torch.allclose(ours_ll, theirs_ll, rtol=1e-4, atol=1e-3))
-    info["rows_clamped_by_cirkit"] = int(clamped.sum())
-    return info, compiled
-
-
-def cirkit_sampling_rows(folded: CompiledCircuit, batch: int) -> int:
-    """Rows cirkit can sample at once within :data:`CIRKIT_SAMPLING_BYTES`."""
-    inputs = [m for m in folded.folds if isinstance(m, FoldedInput)]
-    units = max(m.raw.shape[1] for m in inputs)
-    layers = sum(m.raw.shape[0] for m in inputs)
-    per_row = layers * units * folded.num_variables * 8
-    return max(1, min(batch, CIRKIT_SAMPLING_BYTES // per_row))
-
-
 # ------------------------------------------------------------------------------------ benchmark
 def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
                   with_cirkit: bool = True, seed: int = 0, warmup: int = 1,
@@ -314,7 +258,8 @@ def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
 
     cirkit_model = None
     if with_cirkit and cirkit_bridge.available():
-        cirkit_info, cirkit_model = cirkit_setup(case, circuit, folded, x)
+        cirkit_info, cirkit_model = cirkit_bridge.setup(circuit, folded, x, case.units,
+                                                        case.region_graph, case.native_note)
     elif with_cirkit:
         cirkit_info = {"installed": False, "note": "libcirkit not installed"}
     else:
@@ -340,7 +285,7 @@ def bench_circuit(case: CircuitCase, *, batch: int = 256, rounds: int = 7,
         s_candidates["unfolded"] = lambda: unfolded.sample(batch, generator=sample_gen)
     cirkit_rows = batch
     if cirkit_model is not None:
-        cirkit_rows = cirkit_sampling_rows(folded, batch)
+        cirkit_rows = cirkit_bridge.sampling_rows(folded, batch)
         draw = cirkit_bridge.sampler(cirkit_model)
         s_candidates["cirkit"] = lambda: draw(cirkit_rows)
         if cirkit_rows != batch:
@@ -378,7 +323,7 @@ def run(*, quick: bool = False, with_cirkit: bool = True, scale: str = "full",
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "torch_version": torch.__version__,
+        "machine": bench_machine(), "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(), "dtype": "float32", "batch_size": batch,
         "quick": quick, "scale": scale, "rounds": rounds, "warmup": warmup, "targets": TARGETS,
         "libcirkit": {"installed": cirkit_bridge.available(), "version": cirkit_bridge.version(),
@@ -480,9 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(quick=args.quick, with_cirkit=not (args.quick or args.no_cirkit),
                  rounds=args.rounds, only=args.only, scale=args.scale, threads=args.threads,
                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_table(report))
-    write_json_atomic(args.out, report)
-    print(f"\nwrote {args.out}")
+    publish(format_table(report), report, args.out)
     return 0
 
 

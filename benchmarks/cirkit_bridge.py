@@ -18,13 +18,15 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from circuits import CompiledCircuit
+from circuits.compiled.layers import FoldedInput
 from circuits.parameterizations import Softmax
 from circuits.symbolic import Circuit, InputLayer, ProductKind, ProductLayer, SumLayer
 
@@ -236,3 +238,57 @@ def sampler(compiled: Any) -> Any:
 
     query = SamplingQuery(compiled)
     return lambda n: query(num_samples=n)[0]
+
+
+# ------------------------------------------------------------------------- the benchmark's use
+#: cirkit's sampler materialises (input folds, units, samples, variables) int64 tensors; above
+#: this many bytes we sample fewer rows from cirkit (and from ours, for a like-for-like ratio).
+SAMPLING_BYTES = 600 * 2**20
+
+
+def setup(circuit: Circuit, folded: CompiledCircuit, x: Tensor, units: tuple[int, int, int],
+          region_graph: Callable[[], RegionGraphLike],
+          native_note: str | None) -> tuple[dict[str, Any], Any]:
+    """Translate and compile ``circuit`` in cirkit and compare it with ``folded``, its compiled
+    ``circuits`` module, on rows ``x``; returns (report, compiled cirkit circuit).
+
+    The report has the compile time, the parameter counts (ours, the translation's, and that of
+    cirkit's own builder on ``region_graph()`` with ``units`` = (sum units, input units,
+    categories)) and how far the two log-likelihoods are apart.
+    """
+    info: dict[str, Any] = {"installed": True, "version": version()}
+    start = time.perf_counter()
+    symbolic = translate(circuit, folded)
+    compiled = compile_circuit(symbolic)
+    info["compile_seconds"] = time.perf_counter() - start
+    ours = sum(p.numel() for p in folded.parameters())
+    info["num_parameters"] = {"circuits": ours, "cirkit_translated": num_parameters(compiled)}
+    try:
+        sum_units, input_units, categories = units
+        native = native_from_region_graph(region_graph(), "cp-t", sum_units, input_units,
+                                          categories)
+        info["num_parameters"]["cirkit_native_builder"] = symbolic_num_parameters(native)
+    except Exception as error:
+        info["num_parameters"]["cirkit_native_builder"] = None
+        info["native_error"] = repr(error)
+    counts = info["num_parameters"]
+    info["parameters_match"] = counts["cirkit_translated"] == ours
+    info["native_parameters_match"] = counts["cirkit_native_builder"] == ours
+    info["native_note"] = native_note
+    with torch.inference_mode():
+        ours_ll = folded.log_likelihood(x)
+        theirs_ll = log_likelihood_unclamped(compiled, x)
+        clamped = log_likelihood(compiled, x) <= LOG_CLAMP_MIN + 1e-3
+    info["loglik_max_abs_diff"] = float((ours_ll - theirs_ll).abs().max())
+    info["loglik_match"] = bool(torch.allclose(ours_ll, theirs_ll, rtol=1e-4, atol=1e-3))
+    info["rows_clamped_by_cirkit"] = int(clamped.sum())
+    return info, compiled
+
+
+def sampling_rows(folded: CompiledCircuit, batch: int) -> int:
+    """Rows (at most ``batch``) cirkit can sample at once within :data:`SAMPLING_BYTES`."""
+    inputs = [m for m in folded.folds if isinstance(m, FoldedInput)]
+    units = max(m.raw.shape[1] for m in inputs)
+    layers = sum(m.raw.shape[0] for m in inputs)
+    per_row = layers * units * folded.num_variables * 8
+    return max(1, min(batch, SAMPLING_BYTES // per_row))

@@ -44,10 +44,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
-import os
-import platform
-import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,26 +51,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import Tensor
 from transformers import LlamaForCausalLM
 
 from benchmarks.spec_tools import ForcedAcceptance
-from benchmarks.timing import write_json_atomic
 from circuits.compiled.circuit import LogParameters
 from circuits.kernels import KernelBackend, failed_kernels, resolve_backend, use_backend
 from circuits_llm import data
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.decoder import (
-    AutoregressiveDecoder,
-    SpeculativeDecoder,
-    draft_conditionals,
-    draft_window,
-)
-from circuits_llm.devices import DeviceError, add_device_argument, describe_device, resolve_device
+from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder, draft_conditionals, draft_window
+from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
 from circuits_llm.heads import MTPHead
 from circuits_llm.metrics import DecodeSummary
 from circuits_llm.pretrain import ModelShape
+from circuits_llm.timing import GradMode, interleaved, load_average, machine_info, medians, publish
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decoder_bench.json"
@@ -133,33 +123,17 @@ def build_model(config: BenchConfig) -> LlamaForCausalLM:
     return LlamaForCausalLM(llama).eval().to(config.device)
 
 
-def _synchronize() -> None:
-    """Wait for queued CUDA work (timings of asynchronous launches are meaningless otherwise)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 def _generator(device: torch.device | str, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median seconds per call of each candidate, timed round-robin after one warm-up call.
-
-    Runs under ``no_grad`` (not ``inference_mode``: the conditional queries need autograd).
-    """
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    with torch.no_grad():
-        for fn in candidates.values():
-            fn()
-        for _ in range(rounds):
-            for name, fn in candidates.items():
-                _synchronize()
-                start = time.perf_counter()
-                fn()
-                _synchronize()
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+def _medians(candidates: dict[str, Callable[[], object]], rounds: int,
+             device: torch.device) -> dict[str, float]:
+    """Median seconds of one call of each candidate, round-robin (:func:`interleaved`, one call
+    per sample), under ``no_grad`` (not ``inference_mode``: the conditional queries need
+    autograd), synchronised on CUDA."""
+    return medians(interleaved(candidates, rounds, max_calls=1, grad_mode=GradMode.NO_GRAD,
+                               device=device))
 
 
 def _block_step(backbone: HFBackbone, width: int, generator: torch.Generator) -> Callable[[], None]:
@@ -180,7 +154,7 @@ def backbone_timings(backbone: HFBackbone, windows: tuple[int, ...], rounds: int
     generator = torch.Generator().manual_seed(0)  # token ids: drawn on the CPU, moved by extend
     candidates = {f"verify_{n}": _block_step(backbone, n, generator) for n in windows}
     candidates["ar_step"] = _block_step(backbone, 1, generator)
-    return interleaved_medians(candidates, rounds)
+    return _medians(candidates, rounds, backbone.device)
 
 
 def round_phases(head: MTPHead, hidden: Tensor, c: int,
@@ -222,7 +196,7 @@ def head_timings(head: MTPHead, backbone: HFBackbone, hidden: Tensor, c: int,
         "verify": _block_step(backbone, head.window, tokens),
         "ar_step": _block_step(backbone, 1, tokens),
     }
-    return dict(interleaved_medians(candidates, rounds))
+    return _medians(candidates, rounds, hidden.device)
 
 
 def profile_phases(head: MTPHead, hidden: Tensor, c: int, calls: int = 5,
@@ -289,17 +263,6 @@ def decode_block(backbone: HFBackbone, head: MTPHead, prompt: list[int], config:
     return out
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    """Where the numbers come from (they mean little without it)."""
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0], "torch": torch.__version__,
-        "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
-        "torch_threads": threads, "load_average_start": list(load) if load else None,
-    }
-
-
 def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every measurement of ``config`` under its kernel backend; the JSON-ready result.
 
@@ -317,8 +280,7 @@ def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print) -> di
 
 def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
-    machine = machine_info(config.threads)
-    machine["device"] = describe_device(torch.device(config.device))
+    machine = machine_info(torch.device(config.device), config.threads)
     probe = torch.zeros(1, device=config.device)
     machine["kernels"] = resolve_backend(probe).value  # what actually runs, not what was asked
     model = build_model(config)
@@ -363,7 +325,7 @@ def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str,
                 log(f"  {architecture:>5} n={window:<2} {variant:<4} round/verify "
                     f"{entry['round_over_verify']['sampling']:.2f} (sampling)")
                 del head
-    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    machine["load_average_end"] = load_average()
     # kernels AUTO replaced by torch during the run (a triton kernel that failed here): the
     # "kernels" entry above is then only partly true, and this says where
     machine["kernel_fallbacks"] = {f"{kernel.name} {dtype} {device}": why
@@ -402,7 +364,7 @@ def format_tables(result: dict[str, Any]) -> str:
     ms = 1e3
     machine, timings = result["machine"], result["backbone_s"]
     lines = [f"machine: {machine['processor']}, {machine['cpu_count']} CPU cores (shared), "
-             f"{machine['torch_threads']} torch threads, load {machine['load_average_start']}",
+             f"{machine['torch_threads']} torch threads, load {machine['load_average']}",
              f"model: byte-level Llama {result['model']['config']}, "
              f"{result['model']['parameters']:,} parameters (random weights)",
              f"NOTE: {result['note']}",
@@ -467,9 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     result = run_benchmark(config)
     result["wall_s"] = time.perf_counter() - start
-    print(format_tables(result))
-    write_json_atomic(args.out, result, sort_keys=True)
-    print(f"\nwrote {args.out} ({result['wall_s']:.0f} s)")
+    publish(format_tables(result), result, args.out, sort_keys=True,
+            note=f" ({result['wall_s']:.0f} s)")
     return 0
 
 

@@ -28,11 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import os
-import platform
-import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -40,19 +36,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.timing import write_json_atomic
 from circuits import compile
 from circuits.compiled.layers import FoldedSum
-from circuits.kernels import (
-    KernelBackend,
-    log_matmul,
-    resolve_backend,
-    sum_child_choice,
-    use_backend,
-)
+from circuits.kernels import KernelBackend, log_matmul, resolve_backend, sum_child_choice, use_backend
 from circuits.kernels.softmax import softmax_mixture, softmax_stats
 from circuits.templates import btree, hmm
-from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
+from circuits_llm.devices import DeviceError, add_device_argument, describe_device, resolve_device
+from circuits_llm.timing import GradMode, interleaved, machine_info, medians, publish
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels_bench.json"
@@ -68,42 +58,20 @@ def sum_fold_shapes(circuit_name: str, batch: int) -> Counter[Shape]:
                    for m in compiled.folds if isinstance(m, FoldedSum))
 
 
-def describe_device(device: torch.device) -> str:
+def device_line(device: torch.device) -> str:
+    """The device of the report: the GPU's name, or the CPU's model with its cores and threads."""
     if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            cpu = next((line.split(":", 1)[1].strip() for line in handle
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"cpu: {cpu} ({os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()})"
+        return describe_device(device)
+    machine = machine_info(device)
+    return (f"cpu: {machine['processor']} ({machine['cpu_count']} logical CPUs, torch threads "
+            f"{machine['torch_threads']})")
 
 
-def timed_rounds(candidates: dict[str, Callable[[], object]], device: torch.device, rounds: int,
-                 target_s: float = 0.02) -> dict[str, float]:
-    """Median seconds per call of each candidate, timed round-robin (grad mode stays on)."""
-
-    def run(fn: Callable[[], object], calls: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - start) / calls
-
-    calls = {}
-    for name, fn in candidates.items():
-        run(fn, 1)  # warm-up (and triton compilation)
-        calls[name] = max(1, min(200, int(target_s / max(run(fn, 1), 1e-7))))
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            samples[name].append(run(fn, calls[name]))
-    return {name: statistics.median(values) for name, values in samples.items()}
+def timed_rounds(candidates: dict[str, Callable[[], object]], device: torch.device,
+                 rounds: int) -> dict[str, float]:
+    """Median seconds per call of each candidate, timed round-robin (grad mode stays on: the
+    backward candidates need it; CUDA calls are synchronised)."""
+    return medians(interleaved(candidates, rounds, grad_mode=GradMode.GRAD, device=device))
 
 
 def operations(shape: Shape, device: torch.device, dtype: torch.dtype, per_row: bool,
@@ -232,7 +200,7 @@ def run(quick: bool, device: torch.device, log: Callable[[str], None]) -> dict[s
         "schema_version": SCHEMA_VERSION,
         "benchmark": "kernels_bench",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": describe_device(device),
+        "device": device_line(device),
         "dtype": str(dtype),
         "batch": batch,
         "torch": torch.__version__,
@@ -280,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with current:  # triton launches on the current device: make it the one asked for
         report = run(args.quick, device, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_table(report))
-    write_json_atomic(args.out, report)
-    print(f"\nwrote {args.out}")
+    publish(format_table(report), report, args.out)
     return 0
 
 

@@ -9,7 +9,7 @@ Every *cell* is a window ``n`` and a number ``k`` of LoRA draft layers. In each 
 are trained (or loaded from the study's head cache) on the embedded byte-level Llama with the
 same wall-clock budget per head kind, then the autoregressive decoder and one speculative decoder
 per head decode the same held-out prompts, greedy and sampling, interleaved prompt by prompt
-(:func:`circuits_llm.demo.compare_decoders`), so every speed-up is a ratio measured in one run.
+(:func:`circuits_llm.compare.compare_decoders`), so every speed-up is a ratio measured in one run.
 
 Grids:
 
@@ -42,9 +42,13 @@ import torch
 from circuits.files import atomic_write, atomic_write_text
 from circuits_llm import demo
 from circuits_llm import report as rep
+from circuits_llm.compare import compare_decoders
 from circuits_llm.data import evaluation_prompts
 from circuits_llm.devices import DeviceError, add_device_argument, describe_device, resolve_device
+from circuits_llm.head_cache import ReadyHead, obtain_head
+from circuits_llm.models import EMBEDDED, LoadedModel, load_byte_model
 from circuits_llm.report import DecodeMode, DecoderRow
+from circuits_llm.timing import machine_info
 
 
 class Grid(Enum):
@@ -125,9 +129,9 @@ def head_training(cell: Cell, head: HeadSpec) -> Any:
     return demo.training_config(replace(base, rank=head.rank), head.architecture)
 
 
-def obtain(loaded: demo.LoadedModel, cell: Cell, head: HeadSpec, cache: Path,
-           settings: StudySettings, log: Any) -> demo.ReadyHead:
-    ready = demo.obtain_head(loaded, head_training(cell, head), cache, settings.budget(head))
+def obtain(loaded: LoadedModel, cell: Cell, head: HeadSpec, cache: Path,
+           settings: StudySettings, log: Any) -> ReadyHead:
+    ready = obtain_head(loaded, head_training(cell, head), cache, settings.budget(head))
     r = ready.record
     log(f"[{cell.key}] {head.name}: {'cached' if r['cached'] else 'trained'}, {r['steps']} steps, "
         f"validation bits/byte {r['validation_bits_before']:.3f} -> "
@@ -135,7 +139,7 @@ def obtain(loaded: demo.LoadedModel, cell: Cell, head: HeadSpec, cache: Path,
     return ready
 
 
-def decode_cell(loaded: demo.LoadedModel, cell: Cell, ready: list[tuple[HeadSpec, Any]],
+def decode_cell(loaded: LoadedModel, cell: Cell, ready: list[tuple[HeadSpec, Any]],
                 settings: StudySettings) -> dict[str, Any]:
     """Decode the prompts with AR and every head of the cell (on the model's device); its record."""
     from circuits_llm.backbone import HFBackbone
@@ -144,7 +148,7 @@ def decode_cell(loaded: demo.LoadedModel, cell: Cell, ready: list[tuple[HeadSpec
     decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}
     decoders.update({spec.name: SpeculativeDecoder(r.backbone, r.head) for spec, r in ready})
     start = time.perf_counter()
-    comparison = demo.compare_decoders(decoders, prompts, settings.new_tokens,
+    comparison = compare_decoders(decoders, prompts, settings.new_tokens,
                                        settings.temperature, settings.seed)
     rows = comparison.rows()
     heads = {spec.name: {"architecture": spec.architecture, "rank": spec.rank,
@@ -156,7 +160,7 @@ def decode_cell(loaded: demo.LoadedModel, cell: Cell, ready: list[tuple[HeadSpec
             "rows": [row.to_json() for row in rows],
             "greedy_identical": comparison.greedy_identical(),
             "decode_wall_s": time.perf_counter() - start,
-            "machine": demo.machine_info(loaded.model.device)}
+            "machine": machine_info(loaded.model.device)}
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
@@ -248,7 +252,7 @@ def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySetting
     log = print
     device = device if device is not None else torch.device("cpu")
     torch.manual_seed(settings.seed)
-    loaded = demo.load_model(demo.EMBEDDED, device)
+    loaded = load_byte_model(EMBEDDED, device)
     log(f"study on {describe_device(device)}")
     cell_dir = out / "cells"
     cell_dir.mkdir(parents=True, exist_ok=True)
@@ -273,7 +277,7 @@ def run(grid: Grid, phase: Phase, out: Path, cache: Path, settings: StudySetting
     table = markdown_table(records)
     atomic_write_text(out / "study.md", table + "\n")
     plot(records, out / "study-tradeoff.png")
-    rep.write_json(demo._jsonable(summary), out / "study.json")
+    rep.write_json(rep.jsonable(summary), out / "study.json")
     log("\n" + table)
     return 0
 

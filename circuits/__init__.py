@@ -25,22 +25,8 @@ from circuits.errors import (
 from circuits.operations import integrate, multiply, snapshot, square
 from circuits.parameterizations import Exp, Parameterization, Softmax
 from circuits.serialization import circuit_from_dict, circuit_to_dict, load_circuit, save_circuit
-from circuits.structure import (
-    are_compatible,
-    check,
-    is_decomposable,
-    is_smooth,
-    is_structured_decomposable,
-)
-from circuits.symbolic import (
-    Categorical,
-    Circuit,
-    InputLayer,
-    Layer,
-    ProductKind,
-    ProductLayer,
-    SumLayer,
-)
+from circuits.structure import are_compatible, check, is_decomposable, is_smooth, is_structured_decomposable
+from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
 
 __all__ = [
     "Categorical", "Circuit", "CircuitError", "CompiledCircuit", "Exp", "InputLayer",

@@ -40,15 +40,7 @@ from circuits.compiled.validity import first_problem
 from circuits.errors import CircuitError, ParameterProblem, SerializationError
 from circuits.files import atomic_write_text
 from circuits.parameterizations import Exp, Parameterization, Softmax
-from circuits.symbolic import (
-    Categorical,
-    Circuit,
-    InputLayer,
-    Layer,
-    ProductKind,
-    ProductLayer,
-    SumLayer,
-)
+from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
 
 FORMAT = "circuits.circuit"
 VERSION = 1

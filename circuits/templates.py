@@ -18,15 +18,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from circuits.errors import StructureError, UnknownArchitectureError
-from circuits.symbolic import (
-    Categorical,
-    Circuit,
-    InputLayer,
-    Layer,
-    ProductKind,
-    ProductLayer,
-    SumLayer,
-)
+from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
 
 
 class Architecture(Enum):

@@ -19,17 +19,10 @@ from typing import Any
 
 import torch
 
-from circuits_llm.demo import (
-    EMBEDDED,
-    ComparisonConfig,
-    DemoError,
-    default_cache_dir,
-    find_cached_head,
-    load_model,
-    run_comparison,
-    training_config,
-)
+from circuits_llm.demo import ComparisonConfig, DemoError, run_comparison, training_config
 from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
+from circuits_llm.head_cache import default_cache_dir, find_cached_head
+from circuits_llm.models import EMBEDDED, ModelLoadError, load_byte_model
 
 #: ``--head`` values that mean plain autoregressive decoding.
 AUTOREGRESSIVE_NAMES = ("ar", "none")
@@ -73,8 +66,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from circuits_llm.heads import HeadConfigError
     from circuits_llm.report import ReportError
     from circuits_llm.warping import DecoderError
-    errors: list[type[BaseException]] = [DemoError, DecoderError, HeadConfigError, ReportError,
-                                         CircuitError, CheckpointError, DeviceError]
+    errors: list[type[BaseException]] = [DemoError, ModelLoadError, DecoderError, HeadConfigError,
+                                         ReportError, CircuitError, CheckpointError, DeviceError]
     try:
         from circuits_llm import training
         errors += [value for value in vars(training).values()
@@ -187,7 +180,7 @@ def _decoder_for(head: str, loaded: Any, cache: Path) -> tuple[Any, str]:
 def _generate(args: argparse.Namespace) -> int:
     from circuits_llm.data import SpecialToken, decode, encode
     device = resolve_device(args.device)
-    loaded = load_model(args.model, device)
+    loaded = load_byte_model(args.model, device)
     decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir())
     prompt = torch.cat([torch.tensor([int(SpecialToken.BOS)]), encode(args.prompt.encode())])
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from circuits.files import atomic_write
+from circuits.files import atomic_write, atomic_write_json
 from circuits_llm.metrics import DecodeSummary
 
 #: Bumped whenever the meaning of a report's JSON fields changes.
@@ -181,10 +181,27 @@ def check_report(report: Any) -> None:
         raise ReportError("report: greedy_identical needs a bool 'all' and an int 'prompts'")
 
 
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON data: dataclasses as dicts, enums as their values, paths as strings,
+    NaN and infinities as None (JSON has neither), anything else unknown as its ``repr``."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
 def write_json(report: Mapping[str, Any], path: Path) -> Path:
-    """Write ``report`` as indented JSON, atomically."""
-    text = json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
-    return atomic_write(path, lambda tmp: tmp.write_text(text))
+    """Write ``report`` as indented JSON with sorted keys, atomically."""
+    return atomic_write_json(path, report, sort_keys=True)
 
 
 def load_report(path: Path) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not installed
 
 from benchmarks import circuits_bench, cirkit_bridge
-from benchmarks.timing import interleaved
+from circuits.files import atomic_write_json
+from circuits_llm.timing import interleaved
 
 TOP_KEYS = {"schema_version", "timestamp", "machine", "torch_version", "num_threads", "dtype",
             "batch_size", "quick", "scale", "rounds", "targets", "libcirkit", "circuits"}
@@ -55,7 +56,7 @@ def test_report_schema(report: dict, tmp_path: Path) -> None:
         assert sums["flops"] == sum(2 * f["F"] * f["B"] * f["K"] * f["D"] for f in sums["folds"])
         assert 0 <= sums["share"] <= 1
     path = tmp_path / "out" / "bench.json"
-    circuits_bench.write_json_atomic(path, report)
+    atomic_write_json(path, report)
     assert json.loads(path.read_text()) == json.loads(json.dumps(report))
     assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
     table = circuits_bench.format_table(report)

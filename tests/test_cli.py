@@ -20,7 +20,9 @@ from circuits_llm import report
 from circuits_llm.cli import main
 from circuits_llm.data import decode, evaluation_prompts
 from circuits_llm.devices import describe_device, resolve_device
+from circuits_llm.head_cache import head_dir
 from circuits_llm.metrics import DecodeSummary
+from circuits_llm.models import load_byte_model, model_fingerprint
 from circuits_llm.report import DecodeMode, DecoderRow, ReportError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -252,18 +254,18 @@ def test_report_schema_rejects_wrong_kind(demo_run: dict, tmp_path: Path) -> Non
 
 def test_head_cache_key_depends_on_model_and_config(tiny_model: Path) -> None:
     pytest.importorskip("circuits_llm.training")
-    loaded = demo_module.load_model(tiny_model)
+    loaded = load_byte_model(tiny_model)
     config = demo_module.ComparisonConfig.demo(quick=True)
     ff, btree = (demo_module.training_config(config, a) for a in ("ff", "btree"))
     cache = Path("/cache")
-    assert demo_module.head_dir(cache, loaded.fingerprint, ff) != \
-        demo_module.head_dir(cache, loaded.fingerprint, btree)
+    assert head_dir(cache, loaded.fingerprint, ff) != \
+        head_dir(cache, loaded.fingerprint, btree)
     wider = demo_module.training_config(demo_module.ComparisonConfig.demo(), "btree")
-    assert demo_module.head_dir(cache, loaded.fingerprint, btree) != \
-        demo_module.head_dir(cache, loaded.fingerprint, wider)
+    assert head_dir(cache, loaded.fingerprint, btree) != \
+        head_dir(cache, loaded.fingerprint, wider)
     with torch.no_grad():
         loaded.model.model.norm.weight.add_(1.0)
-    assert demo_module.model_fingerprint(loaded.model) != loaded.fingerprint
+    assert model_fingerprint(loaded.model) != loaded.fingerprint
 
 
 def test_training_budget_split() -> None:

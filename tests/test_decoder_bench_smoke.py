@@ -16,7 +16,7 @@ from benchmarks.decoder_bench import (
     run_benchmark,
 )
 from benchmarks.spec_tools import ForcedAcceptance
-from benchmarks.timing import write_json_atomic
+from circuits.files import atomic_write_json
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoder import SpeculativeDecoder
 from circuits_llm.heads import MTPHead
@@ -31,7 +31,7 @@ DECODE_KEYS = {"new_tokens", "rounds", "tokens_per_call", "tokens_per_round", "a
 def test_tiny_run_schema_and_greedy_exactness(tmp_path: Path) -> None:
     result = run_benchmark(TINY, log=lambda _line: None)
     path = tmp_path / "out" / "bench.json"
-    write_json_atomic(path, result, sort_keys=True)
+    atomic_write_json(path, result, sort_keys=True)
     loaded = json.loads(path.read_text())
     assert not list(path.parent.glob("*.tmp"))
     assert loaded["schema_version"] == SCHEMA_VERSION

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from toy import ToyHead, ToyLM
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from circuits_llm.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
 from circuits_llm.hf_generate import speculative_generate
-from circuits_llm.toy import ToyHead, ToyLM
 from circuits_llm.warping import SamplingConfig, SamplingError, warp_logits
 
 

@@ -1,7 +1,7 @@
 """The speculative decoder samples exactly from the (warped) target law.
 
 * exact laws: the law of the first tokens the decoder emits, computed by enumerating every branch
-  of the algorithm with the decoder's own round functions (``circuits_llm.toy.decoder_law``), is
+  of the algorithm with the decoder's own round functions (``toy.decoder_law``), is
   compared with the brute-force target law, for every head shape, warp and with or without a
   draft branch; the paper's drop-the-correction variant is the negative control;
 * a sampled end-to-end chi-square check of the real ``generate``;
@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
+from toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -31,7 +32,6 @@ from circuits_llm.decoder import (
     sample_outcome,
 )
 from circuits_llm.metrics import RoundKind, aggregate, speedup
-from circuits_llm.toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
 from circuits_llm.warping import SamplingConfig, target_probs, warp_logits
 
 EXACT_TV = 1e-9

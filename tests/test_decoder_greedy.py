@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from toy import ToyHead, ToyLM
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.heads import MTPHead
 from circuits_llm.hf_generate import speculative_generate
-from circuits_llm.toy import ToyHead, ToyLM
 
 VOCAB, HIDDEN, EOS = 48, 32, 47
 HEADS = [("ff", 1), ("cp", 2), ("hmm", 2), ("btree", 2)]

@@ -18,12 +18,12 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor
+from toy import ToyHead, ToyLM
 
 from circuits.errors import ParameterProblem
 from circuits_llm.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
 from circuits_llm.metrics import RoundKind
 from circuits_llm.protocols import BackboneStep
-from circuits_llm.toy import ToyHead, ToyLM
 from circuits_llm.warping import (
     InvalidDistributionError,
     SamplingConfig,

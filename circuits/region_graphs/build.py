@@ -36,15 +36,7 @@ from circuits.errors import RegionGraphError
 from circuits.parameterizations import Parameterization
 from circuits.region_graphs.constructors import check_positive_int
 from circuits.region_graphs.graph import NodeKind, RegionGraph, format_scope
-from circuits.symbolic import (
-    Categorical,
-    Circuit,
-    InputLayer,
-    Layer,
-    ProductKind,
-    ProductLayer,
-    SumLayer,
-)
+from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
 
 
 class SumProductPattern(Enum):

@@ -1,15 +1,13 @@
 """Locating the parts of a Hugging Face causal LM that :class:`HFBackbone` needs.
 
 A causal LM is seen as ``embeddings -> decoder layers (a ModuleList) -> final norm -> LM head``.
-The helpers here find the decoder layer list, the final norm and the LM head generically, decide
-which linear sub-modules of a decoder layer get LoRA adapters, and fingerprint a model config so
-that adapters saved for one base model are not silently loaded into another.
+The helpers here find the decoder layer list, the final norm and the LM head generically, and decide
+which linear sub-modules of a decoder layer get LoRA adapters. (The config fingerprint that keeps
+adapters saved for one base model out of another is :func:`circuits_llm.models.config_fingerprint`.)
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 
 from torch import nn
@@ -188,29 +186,3 @@ def is_conv1d_target(layer: nn.Module, names: list[str]) -> bool:
     if len(kinds) > 1:
         raise UnsupportedModelError(f"lora_target_modules {names} mix nn.Linear and Conv1D modules")
     return kinds.pop()
-
-
-#: Config keys that do not change the computation and are left out of the fingerprint.
-_VOLATILE_CONFIG_KEYS = frozenset(
-    {
-        "_name_or_path",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "architectures",
-        "use_cache",
-        "_attn_implementation",
-        "_attn_implementation_autoset",
-        "_commit_hash",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-    }
-)
-
-
-def config_fingerprint(model: PreTrainedModel) -> str:
-    """SHA-256 of the model config's computation-relevant fields (hex string)."""
-    items = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    blob = json.dumps(items, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()

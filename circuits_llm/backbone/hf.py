@@ -33,12 +33,12 @@ from circuits_llm.backbone._arch import (
     FINAL_NORM_NAMES,
     UnsupportedModelError,
     check_cache_support,
-    config_fingerprint,
     find_parts,
     is_conv1d_target,
     lora_target_names,
 )
 from circuits_llm.backbone._validate import check_attention_mask, check_int, check_tokens
+from circuits_llm.models import config_fingerprint
 from circuits_llm.protocols import BackboneStep
 
 

@@ -54,8 +54,9 @@ class HeadConfig:
         hidden_size: ``d``, the size of the hidden state the head reads.
         vocab_size: ``V``, the categories of every variable.
         variant: ``"full"`` or ``"lean"`` (:class:`HeadVariant` values).
-        architecture: template name (``"cp"``, ``"hmm"``...) or None for a custom circuit.
-        rank: the template's rank, or None for a custom circuit.
+        architecture: the head kind's registered name (``"cp"``, ``"hmm"``..., or one added with
+            :func:`~circuits_llm.heads.register_head_kind`), or None for a custom circuit.
+        rank: the kind's rank, or None for a custom circuit.
         circuit: the serialised symbolic circuit (custom circuits only), else None.
         input_bias: whether input units have a learned per-unit bias over the vocabulary.
         lean_rank: ``rho``, the rank of the LEAN per-unit transforms (unused by FULL).

@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from circuits import templates
 from circuits.compiled import CompiledCircuit, compile
 from circuits.compiled.folding import FoldKind
 from circuits.errors import InvalidInputError, StructureError
 from circuits.symbolic import Circuit, InputLayer, Layer, ProductLayer, SumLayer
 from circuits.templates import Architecture
 from circuits_llm.heads.config import HeadConfigError, HeadVariant, parse_variant
+from circuits_llm.heads.kinds import head_kind
 from circuits_llm.heads.projections import FoldShape, FullInputs, LeanInputs, SumProjection
 
 
@@ -53,12 +53,12 @@ def check_head_circuit(circuit: Circuit, vocab_size: int) -> int:
 
 
 def canonical_copy(circuit: Circuit) -> Circuit:
-    """A structural copy whose layers are created in topological order, without ``initial``.
+    """A structural copy of ``circuit`` without ``initial`` parameter values.
 
-    Folding orders same-depth folds by layer creation order, so two structurally equal circuits
-    built in different orders may name their folds differently. Heads compile this copy, which
-    makes fold names a function of the structure alone: a head rebuilt from a saved structure
-    (:mod:`circuits.serialization`) or template gets the same tensor names and layout.
+    A head's circuit parameters come from the hidden state, never from ``initial``, so the copy
+    drops them (nothing is stored or validated for them). Fold names and layout depend only on
+    the structure (:func:`circuits.compiled.folding.plan_folds`), so a head rebuilt from a saved
+    structure (:mod:`circuits.serialization`) or a template gets the same tensor names.
     """
     new: dict[Layer, Layer] = {}
     for layer in circuit.layers:
@@ -170,9 +170,9 @@ class MTPHead(nn.Module):
         self.lean_rank = lean_rank
         self.identity_init = identity_init
         self.identity_bias = float(identity_bias)
-        #: template the circuit came from (set by :meth:`from_name`), else None.
-        self.architecture: Architecture | None = None
-        #: the template's rank (set by :meth:`from_name`), else None.
+        #: the head kind the circuit came from (set by :meth:`from_name`), else None.
+        self.architecture: str | None = None
+        #: the kind's rank (set by :meth:`from_name`), else None.
         self.rank: int | None = None
         #: the symbolic circuit, as a :func:`canonical_copy` of the one given.
         self.symbolic = canonical_copy(circuit)
@@ -212,25 +212,25 @@ class MTPHead(nn.Module):
                   vocab_size: int, variant: HeadVariant | str = HeadVariant.FULL,
                   lm_head_weight: Tensor | None = None, *, identity_init: bool | None = None,
                   **options: object) -> MTPHead:
-        """A head over a named template (``ff``, ``cp``, ``hmm``, ``btree``).
+        """A head over a registered head kind: ``ff``, ``cp``, ``hmm``, ``btree`` or one added
+        with :func:`~circuits_llm.heads.register_head_kind`.
 
-        ``identity_init`` defaults to True for ``hmm`` (Appendix E) and False otherwise; other
-        keyword options are those of :class:`MTPHead`. ``ff`` requires ``rank=1``. Raises
-        :class:`~circuits.errors.UnknownArchitectureError` (listing valid names) for other names
-        and :class:`HeadConfigError` for ``window < 2``.
+        ``identity_init`` defaults to the kind's (True for ``hmm``, Appendix E); other keyword
+        options are those of :class:`MTPHead`. ``ff`` requires ``rank=1``. Raises
+        :class:`~circuits.errors.UnknownArchitectureError` (listing the registered names) for
+        other names and :class:`HeadConfigError` for ``window < 2``.
         """
-        architecture = templates.parse_architecture(name)
+        kind = head_kind(name)
         if not isinstance(window, int) or isinstance(window, bool) or window < 2:
             raise HeadConfigError(
                 f"window must be an int >= 2 (a draft of at least one token after the verified "
                 f"one), got {window!r}")
-        circuit = templates.build(architecture, num_variables=window, num_categories=vocab_size,
-                                  rank=rank)
+        circuit = kind.circuit(window, rank, vocab_size)
         if identity_init is None:
-            identity_init = architecture is Architecture.HMM
+            identity_init = kind.identity_init
         head = cls(circuit, hidden_size, vocab_size, variant, lm_head_weight,
                    identity_init=identity_init, **options)  # type: ignore[arg-type]
-        head.architecture = architecture
+        head.architecture = kind.name
         head.rank = rank
         return head
 
@@ -276,7 +276,7 @@ class MTPHead(nn.Module):
                                self.vocab_size, self.input_bias, self.lean_rank)
 
     def extra_repr(self) -> str:
-        name = self.architecture.value if self.architecture else "custom"
+        name = self.architecture or "custom"
         return (f"architecture={name}, window={self.window}, rank={self.rank}, "
                 f"variant={self.variant.value}, hidden_size={self.hidden_size}, "
                 f"vocab_size={self.vocab_size}, parameters={self.num_parameters()}")

@@ -5,8 +5,9 @@ the tensors first, then the config, which records the SHA-256 of the tensor file
 never sees a config describing tensors that are not there: a crash between the two writes, or a
 corrupted tensor file, is reported as a checksum mismatch.
 
-Named templates are stored by name and rank; custom circuits by their serialised structure
-(:mod:`circuits.serialization`).
+Heads of a registered kind (:mod:`circuits_llm.heads.kinds`: the templates and kinds added with
+``register_head_kind``) are stored by kind name and rank, and rebuilt through the registry;
+custom circuits by their serialised structure (:mod:`circuits.serialization`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from circuits import templates
 from circuits.errors import CircuitError
 from circuits.files import atomic_write, sha256_file
 from circuits.symbolic import Circuit
 from circuits_llm.heads.config import HeadConfig, HeadConfigError, HeadVariant, parse_variant
 from circuits_llm.heads.head import MTPHead
+from circuits_llm.heads.kinds import head_kind
 
 TENSORS_FILE = "head.safetensors"
 CONFIG_FILE = "head_config.json"
@@ -52,7 +53,7 @@ def head_config(head: MTPHead) -> HeadConfig:
     return HeadConfig(
         window=head.window, hidden_size=head.hidden_size, vocab_size=head.vocab_size,
         variant=head.variant.value,
-        architecture=head.architecture.value if head.architecture else None, rank=head.rank,
+        architecture=head.architecture, rank=head.rank,
         circuit=circuit, input_bias=head.input_bias, lean_rank=head.lean_rank,
         identity_init=head.identity_init, identity_bias=head.identity_bias, dtype=dtype)
 
@@ -75,8 +76,8 @@ def _rebuild_circuit(config: HeadConfig, source: Path) -> Circuit:
         if config.rank is None:
             raise HeadConfigError(f"{source} names architecture {config.architecture!r} but no rank")
         try:
-            return templates.build(config.architecture, num_variables=config.window,
-                                   num_categories=config.vocab_size, rank=config.rank)
+            return head_kind(config.architecture).circuit(config.window, config.rank,
+                                                          config.vocab_size)
         except CircuitError as error:
             raise HeadConfigError(f"{source}: cannot rebuild the circuit: {error}") from None
     try:
@@ -137,7 +138,7 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
     except CircuitError as error:
         raise HeadConfigError(f"{config_path} describes an invalid head: {error}") from None
     if config.architecture is not None:
-        head.architecture = templates.parse_architecture(config.architecture)
+        head.architecture = head_kind(config.architecture).name
         head.rank = config.rank
     expected = head_tensors(head)
     missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))

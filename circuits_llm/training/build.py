@@ -17,10 +17,10 @@ from transformers import PreTrainedModel
 from circuits.errors import CircuitError
 from circuits.serialization import load_circuit
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.backbone._arch import config_fingerprint
 from circuits_llm.data import SpecialToken
 from circuits_llm.heads import HeadConfigError, MTPHead, check_head_circuit
 from circuits_llm.heads.io import head_config
+from circuits_llm.models import config_fingerprint
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 
 #: The largest token id the byte-level training data contain (EOS; PAD is never used as input).

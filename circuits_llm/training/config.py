@@ -14,8 +14,8 @@ from enum import Enum
 from typing import Any
 
 from circuits.errors import UnknownArchitectureError
-from circuits.templates import Architecture, parse_architecture
-from circuits_llm.heads import HeadConfigError, HeadVariant
+from circuits.templates import Architecture
+from circuits_llm.heads import HeadConfigError, HeadVariant, head_kind
 from circuits_llm.heads.config import parse_variant
 
 
@@ -53,13 +53,26 @@ def _positive(name: str, value: object, allow_zero: bool = False) -> None:
         raise TrainingConfigError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
+def _parse_kind(name: Architecture | str) -> Architecture | str:
+    """A built-in template as its :class:`Architecture`, a registered head kind as its name.
+
+    Raises:
+        UnknownArchitectureError: ``name`` is neither.
+    """
+    kind = head_kind(name)
+    builtin = {a.value: a for a in Architecture}
+    return builtin.get(kind.name, kind.name)
+
+
 @dataclass(frozen=True)
 class HeadTrainingConfig:
     """Hyper-parameters of one head-training run.
 
     Attributes:
-        architecture: the head's circuit template (``ff``, ``cp``, ``hmm``, ``btree``; strings are
-            parsed), or None when ``circuit_file`` is given. Exactly one of the two is set.
+        architecture: the head's kind: a circuit template (``ff``, ``cp``, ``hmm``, ``btree``; names
+            are parsed to :class:`~circuits.templates.Architecture`) or the name of a kind added
+            with :func:`~circuits_llm.heads.register_head_kind`; None when ``circuit_file`` is
+            given. Exactly one of the two is set.
         circuit_file: path of a JSON circuit (:mod:`circuits.serialization`) over variables
             ``0 .. window-1``, each ``Categorical(V)``; its stored parameters are not used.
         window: ``n``, the number of future tokens the head models (>= 2); must equal the
@@ -92,7 +105,7 @@ class HeadTrainingConfig:
         bf16: run the backbone forward under bf16 autocast (slower than fp32 on most CPUs).
     """
 
-    architecture: Architecture | None = Architecture.BTREE
+    architecture: Architecture | str | None = Architecture.BTREE
     circuit_file: str | None = None
     window: int = 16
     rank: int = 32
@@ -131,7 +144,7 @@ class HeadTrainingConfig:
             raise TrainingConfigError("give an architecture (ff, cp, hmm, btree) or a circuit_file")
         else:
             try:
-                object.__setattr__(self, "architecture", parse_architecture(self.architecture))
+                object.__setattr__(self, "architecture", _parse_kind(self.architecture))
             except UnknownArchitectureError as error:
                 raise TrainingConfigError(str(error)) from None
         try:
@@ -188,7 +201,7 @@ class HeadTrainingConfig:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (enums as their values)."""
         values = asdict(self)
-        values["architecture"] = self.architecture.value if self.architecture else None
+        values["architecture"] = getattr(self.architecture, "value", self.architecture)
         values["variant"] = self.variant.value
         values["data"] = self.data.value
         return values

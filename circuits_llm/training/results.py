@@ -24,9 +24,9 @@ from transformers import PreTrainedModel
 
 from circuits.files import atomic_write
 from circuits_llm.backbone import AdapterMismatchError, HFBackbone
-from circuits_llm.backbone._arch import config_fingerprint
 from circuits_llm.checkpoint import CheckpointError
 from circuits_llm.heads import HeadConfigError, MTPHead
+from circuits_llm.models import config_fingerprint
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 
 RECORD_FILE = "training.json"
