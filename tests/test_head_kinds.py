@@ -16,7 +16,15 @@ from toy import ToyLM
 from circuits import Categorical, Circuit, InputLayer, ProductKind, ProductLayer, SumLayer
 from circuits.errors import UnknownArchitectureError
 from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
-from circuits_llm.heads import HeadConfigError, MTPHead, head_kind, head_kind_names, register_head_kind
+from circuits_llm.heads import (
+    HeadConfigError,
+    MTPHead,
+    head_kind,
+    head_kind_names,
+    load_head,
+    register_head_kind,
+    save_head,
+)
 from circuits_llm.heads.kinds import unregister_head_kind
 from circuits_llm.protocols import draft_head_problem
 from circuits_llm.training import HeadTrainingConfig
@@ -69,10 +77,10 @@ def test_registered_kind_saves_and_loads_by_name(tmp_path: Path, variant: str) -
     with torch.no_grad():
         for parameter in built.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
-    built.save(tmp_path / "head")
+    save_head(built, tmp_path / "head")
     record = json.loads((tmp_path / "head" / "head_config.json").read_text())
     assert record["architecture"] == KIND and record["circuit"] is None and record["rank"] == 3
-    loaded = MTPHead.load(tmp_path / "head", expected_hidden_size=8, expected_vocab_size=5)
+    loaded = load_head(tmp_path / "head", expected_hidden_size=8, expected_vocab_size=5)
     assert loaded.architecture == KIND and loaded.rank == 3 and loaded.variant is built.variant
     states = torch.randn(3, 8, dtype=torch.float64)
     expected, got = built(states), loaded(states)
@@ -86,10 +94,10 @@ def test_loading_an_unregistered_kind_says_to_register_it(tmp_path: Path) -> Non
     def short_lived(num_variables: int, rank: int, num_categories: int) -> Circuit:
         return split_cp(num_variables, rank, num_categories)
 
-    MTPHead.from_name("short-lived", 4, 2, 8, 5).save(tmp_path / "head")
+    save_head(MTPHead.from_name("short-lived", 4, 2, 8, 5), tmp_path / "head")
     unregister_head_kind("short-lived")
     with pytest.raises(HeadConfigError, match="register_head_kind"):
-        MTPHead.load(tmp_path / "head")
+        load_head(tmp_path / "head")
     with pytest.raises(UnknownArchitectureError, match=f"ff, cp, hmm, btree, {KIND}"):
         MTPHead.from_name("short-lived", 4, 2, 8, 5)
 

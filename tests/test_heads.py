@@ -21,7 +21,14 @@ from circuits import (
     UnknownArchitectureError,
 )
 from circuits.errors import InvalidInputError
-from circuits_llm.heads import HeadConfigError, HeadVariant, MTPHead, parameter_count
+from circuits_llm.heads import (
+    HeadConfigError,
+    HeadVariant,
+    MTPHead,
+    load_head,
+    parameter_count,
+    save_head,
+)
 from circuits_llm.protocols import draft_head_problem
 
 ARCHITECTURES = ["ff", "cp", "hmm", "btree"]
@@ -295,8 +302,8 @@ def test_save_load_round_trip(tmp_path: Path, name: str, variant: HeadVariant) -
     with torch.no_grad():  # trained-looking values everywhere
         for parameter in head.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
-    head.save(tmp_path / "head")
-    loaded = MTPHead.load(tmp_path / "head", expected_hidden_size=8, expected_vocab_size=5)
+    save_head(head, tmp_path / "head")
+    loaded = load_head(tmp_path / "head", expected_hidden_size=8, expected_vocab_size=5)
     assert loaded.architecture == head.architecture and loaded.rank == head.rank
     assert loaded.variant is variant and loaded.window == head.window
     states = torch.randn(3, 8)
@@ -312,36 +319,36 @@ def test_save_load_round_trip(tmp_path: Path, name: str, variant: HeadVariant) -
 
 def test_load_rejects_mismatches_and_damage(tmp_path: Path) -> None:
     directory = tmp_path / "head"
-    named("hmm").save(directory)
+    save_head(named("hmm"), directory)
     with pytest.raises(HeadConfigError, match="hidden size is 16"):
-        MTPHead.load(directory, expected_hidden_size=16)
+        load_head(directory, expected_hidden_size=16)
     with pytest.raises(HeadConfigError, match="vocabulary has 6"):
-        MTPHead.load(directory, expected_vocab_size=6)
+        load_head(directory, expected_vocab_size=6)
     with pytest.raises(HeadConfigError, match="does not exist"):
-        MTPHead.load(tmp_path / "nowhere")
+        load_head(tmp_path / "nowhere")
 
     tensors = directory / "head.safetensors"
     original = tensors.read_bytes()
     tensors.write_bytes(original[:-7] + b"garbage")
     with pytest.raises(HeadConfigError, match="checksum"):
-        MTPHead.load(directory)
+        load_head(directory)
     tensors.write_bytes(original)
 
     config_path = directory / "head_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text("{not json")
     with pytest.raises(HeadConfigError, match="not valid JSON"):
-        MTPHead.load(directory)
+        load_head(directory)
     config_path.write_text(json.dumps({**config, "format_version": 99}))
     with pytest.raises(HeadConfigError, match="format_version 99"):
-        MTPHead.load(directory)
+        load_head(directory)
     config_path.write_text(json.dumps({**config, "rank": 4}))  # tensors no longer fit
     with pytest.raises(HeadConfigError, match="wrong shapes"):
-        MTPHead.load(directory)
+        load_head(directory)
     config_path.write_text(json.dumps({**config, "tensors_sha256": None}))
     tensors.write_bytes(b"\x00" * 5)
     with pytest.raises(HeadConfigError, match="cannot be read"):
-        MTPHead.load(directory)
+        load_head(directory)
 
 
 # ---------------------------------------------------------------------------------- bad input

@@ -36,6 +36,7 @@ from circuits_llm.training import (
     RunDirectoryBusy,
     TrainingInterrupted,
 )
+from circuits_llm.training import results as training_results
 from circuits_llm.training.lock import LOCK_FILE, LockHolder, RunLock
 from circuits_llm.training.resume import CHECKPOINT_KIND
 
@@ -181,10 +182,10 @@ def test_full_disk_while_saving_is_one_line_and_keeps_the_checkpoint(
 def test_full_disk_while_exporting_is_one_line(tmp_path: Path, corpus: Path, model_dir: Path,
                                                monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    def full(self: MTPHead, directory: object) -> None:
+    def full(head: MTPHead, directory: object) -> None:
         raise ENOSPC
 
-    monkeypatch.setattr(MTPHead, "save", full)
+    monkeypatch.setattr(training_results, "save_head", full)
     assert main(cli(model_dir, tmp_path / "run", corpus, "--max-steps", "2")) == 1
     line = one_error_line(capsys.readouterr().err)
     assert "cannot write the exported head" in line and "No space left on device" in line

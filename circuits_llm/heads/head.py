@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import Tensor, nn
 
@@ -280,21 +278,3 @@ class MTPHead(nn.Module):
         return (f"architecture={name}, window={self.window}, rank={self.rank}, "
                 f"variant={self.variant.value}, hidden_size={self.hidden_size}, "
                 f"vocab_size={self.vocab_size}, parameters={self.num_parameters()}")
-
-    # ------------------------------------------------------------------ persistence
-    def save(self, directory: str | Path) -> None:
-        """Write ``head.safetensors`` and ``head_config.json`` into ``directory`` atomically."""
-        from circuits_llm.heads.io import save_head
-        save_head(self, directory)
-
-    @classmethod
-    def load(cls, directory: str | Path, expected_hidden_size: int | None = None,
-             expected_vocab_size: int | None = None,
-             device: torch.device | str | None = None) -> MTPHead:
-        """Read a head written by :meth:`save`; checks it against the backbone's sizes.
-
-        Raises :class:`HeadConfigError` when files are missing or corrupt, or when the head's
-        hidden size or vocabulary differ from ``expected_*``.
-        """
-        from circuits_llm.heads.io import load_head
-        return load_head(directory, expected_hidden_size, expected_vocab_size, device)

@@ -113,7 +113,7 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
     for path in (config_path, tensors_path):
         if not path.is_file():
             raise HeadConfigError(f"{path} does not exist; is {directory} a directory written by "
-                                  "MTPHead.save?")
+                                  "save_head?")
     config = HeadConfig.from_json(config_path.read_text(), str(config_path))
     _check_expected(config, config_path, expected_hidden_size, expected_vocab_size)
     if config.tensors_sha256 is not None and sha256_file(tensors_path) != config.tensors_sha256:

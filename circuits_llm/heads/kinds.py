@@ -11,7 +11,7 @@ adds one in their own module with :func:`register_head_kind`::
         ...  # any smooth, decomposable, Softmax-parameterised circuit over 0..num_variables-1
 
 after which ``MTPHead.from_name("my-tree", window, rank, ...)`` builds a head over it,
-``head.save`` records the name in ``head_config.json`` (``architecture``) and ``MTPHead.load``
+``save_head`` records the name in ``head_config.json`` (``architecture``) and ``load_head``
 rebuilds the circuit through the registry, as long as the module that registers the kind has
 been imported. The head checks the circuit (:func:`~circuits_llm.heads.check_head_circuit`), so a
 builder only has to build it.

@@ -2,7 +2,7 @@
 
 An exported run directory holds::
 
-    head/            MTPHead.save: head.safetensors + head_config.json
+    head/            heads.save_head: head.safetensors + head_config.json
     adapter/         HFBackbone.save_adapter (only when lora_layers > 0)
     training.json    config, history, validation per window position, model fingerprint
 
@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from circuits.files import atomic_write
 from circuits_llm.backbone import AdapterMismatchError, HFBackbone
 from circuits_llm.checkpoint import CheckpointError
-from circuits_llm.heads import HeadConfigError, MTPHead
+from circuits_llm.heads import HeadConfigError, MTPHead, load_head, save_head
 from circuits_llm.models import config_fingerprint
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 
@@ -124,7 +124,7 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
 
 def export_run(run_dir: Path, head: MTPHead, backbone: HFBackbone, record: dict[str, Any]) -> None:
     """Write ``head/``, ``adapter/`` (LoRA only) and then ``training.json`` into ``run_dir``."""
-    head.save(run_dir / HEAD_DIR)
+    save_head(head, run_dir / HEAD_DIR)
     if backbone.lora_layers > 0:
         backbone.save_adapter(run_dir / ADAPTER_DIR)
     write_json_atomic(run_dir / RECORD_FILE, {"format": RECORD_FORMAT, "version": RECORD_VERSION,
@@ -187,7 +187,7 @@ def load_trained_head(run_dir: str | Path, model: PreTrainedModel,
     try:
         if config.lora_layers > 0:
             backbone.load_adapter(run_dir / ADAPTER_DIR)
-        head = MTPHead.load(run_dir / HEAD_DIR, backbone.hidden_size, backbone.vocab_size,
+        head = load_head(run_dir / HEAD_DIR, backbone.hidden_size, backbone.vocab_size,
                             device=backbone.device)
     except (AdapterMismatchError, HeadConfigError, FileNotFoundError) as error:
         raise CheckpointError(f"cannot load the trained head from {run_dir}: {error}") from None
