@@ -13,15 +13,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from circuits.files import atomic_write, atomic_write_json
 
-if TYPE_CHECKING:
-    from circuits_llm.backbone.hf import HFBackbone
+
+class AdapterHolder(Protocol):
+    """What saving and loading an adapter reads of a backbone (``HFBackbone`` is one); a static
+    type only, so this module needs nothing from ``hf.py``, which imports it."""
+
+    lora_layers: int
+    draft_layers: nn.Module
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def adapter_metadata(self) -> dict[str, Any]: ...
+
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter.json"
@@ -33,7 +44,7 @@ class AdapterMismatchError(ValueError):
     """A saved adapter does not fit the backbone it is being loaded into."""
 
 
-def save_adapter_from(backbone: HFBackbone, directory: Path) -> Path:
+def save_adapter_from(backbone: AdapterHolder, directory: Path) -> Path:
     """Write ``backbone``'s LoRA weights and metadata into ``directory`` (created if needed).
 
     Raises:
@@ -49,7 +60,7 @@ def save_adapter_from(backbone: HFBackbone, directory: Path) -> Path:
     return directory
 
 
-def load_adapter_into(backbone: HFBackbone, directory: Path) -> None:
+def load_adapter_into(backbone: AdapterHolder, directory: Path) -> None:
     """Copy the LoRA weights saved in ``directory`` into ``backbone``'s draft branch.
 
     Raises:
