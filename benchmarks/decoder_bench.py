@@ -64,7 +64,15 @@ from circuits_llm.devices import DeviceError, add_device_argument, resolve_devic
 from circuits_llm.heads import MTPHead
 from circuits_llm.metrics import DecodeSummary
 from circuits_llm.pretrain import ModelShape
-from circuits_llm.timing import GradMode, interleaved, load_average, machine_info, medians, publish
+from circuits_llm.timing import (
+    GradMode,
+    count_ops,
+    interleaved,
+    load_average,
+    machine_info,
+    medians,
+    publish,
+)
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decoder_bench.json"
@@ -199,6 +207,26 @@ def head_timings(head: MTPHead, backbone: HFBackbone, hidden: Tensor, c: int,
     return _medians(candidates, rounds, hidden.device)
 
 
+def phase_ops(head: MTPHead, backbone: HFBackbone, hidden: Tensor, c: int) -> dict[str, Any]:
+    """Torch ops dispatched per call of each phase of a round, of the verify forward and of an
+    AR step (eager; :func:`circuits_llm.timing.count_ops`). ``backbone`` must hold the context.
+
+    ``head_sampling`` = parameterise + draft_sample + conditionals and ``head_greedy`` =
+    parameterise + draft_greedy: the head side of a round, beside ``verify``.
+    """
+    tokens = torch.Generator().manual_seed(0)
+    phases = {**round_phases(head, hidden, c, _generator(hidden.device, 0)),
+              "verify": _block_step(backbone, head.window, tokens),
+              "ar_step": _block_step(backbone, 1, tokens)}
+    counts = {name: count_ops(fn) for name, fn in phases.items()}
+    per_call = {name: count.per_call for name, count in counts.items()}
+    per_call["head_sampling"] = (per_call["parameterise"] + per_call["draft_sample"]
+                                 + per_call["conditionals"])
+    per_call["head_greedy"] = per_call["parameterise"] + per_call["draft_greedy"]
+    return {"per_call": per_call,
+            "top": {name: count.top() for name, count in counts.items()}}
+
+
 def profile_phases(head: MTPHead, hidden: Tensor, c: int, calls: int = 5,
                    top: int = 6) -> dict[str, dict[str, Any]]:
     """Op count, total and top torch ops by self CPU time per phase of a sampling round.
@@ -313,6 +341,7 @@ def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str,
                     "variant": variant, "parameters": head.num_parameters(),
                     "phases_s": phases, "round_sampling_s": sampling, "round_greedy_s": greedy,
                     "round_over_verify": {"sampling": sampling / verify, "greedy": greedy / verify},
+                    "ops": phase_ops(head, backbone, hidden, prompt[-1]),
                     "decode": {mode: decode_block(backbone, head, prompt, config, mode == "greedy")
                                for mode in ("greedy", "sampling")},
                 }
@@ -370,7 +399,7 @@ def format_tables(result: dict[str, Any]) -> str:
              f"NOTE: {result['note']}",
              "backbone: " + ", ".join(f"{k} {v * ms:.2f} ms" for k, v in timings.items()), "",
              f"{'head':<16}{'params':>11}{'param':>7}{'samp':>7}{'map':>7}{'cond':>7}"
-             f"{'verify':>7}{'AR':>7}{'rnd/ver':>8}{'greedy':>7}"]
+             f"{'verify':>7}{'AR':>7}{'rnd/ver':>8}{'greedy':>7}{'ops head':>9}{'ops ver':>8}"]
     for h in result["heads"]:
         p = h["phases_s"]
         name = f"{h['architecture']} n={h['window']} {h['variant']}"
@@ -379,10 +408,14 @@ def format_tables(result: dict[str, Any]) -> str:
                      f"{p['conditionals'] * ms:>7.2f}"
                      f"{p['verify'] * ms:>7.2f}{p['ar_step'] * ms:>7.2f}"
                      f"{h['round_over_verify']['sampling']:>8.2f}"
-                     f"{h['round_over_verify']['greedy']:>7.2f}")
+                     f"{h['round_over_verify']['greedy']:>7.2f}"
+                     f"{h['ops']['per_call']['head_sampling']:>9.0f}"
+                     f"{h['ops']['per_call']['verify']:>8.0f}")
     lines.append("(ms: param = head(e), samp = log_parameters + conditional_sample, map = "
                  "log_parameters + map_state, cond = log_prefix_conditionals on the same "
-                 "log-parameters. Ratios of verify_n: rnd/ver = param+samp+cond, greedy = param+map)")
+                 "log-parameters. Ratios of verify_n: rnd/ver = param+samp+cond, greedy = param+map; "
+                 "ops: torch ops dispatched by the head side of a sampling round and by the verify "
+                 "forward)")
     lines += ["", f"{'head':<16}{'mode':<9}{'tok/call':>9}{'lat ms':>8}{'tok/s':>8}{'AR tok/s':>9}"
               f"{'xAR':>6}{'forced':>8}{'xAR':>6}{'match':>7}"]
     for h in result["heads"]:

@@ -8,8 +8,9 @@ taken minutes apart are never compared: :func:`interleaved` runs every candidate
 round after round, and reports each candidate's per-call seconds of every round
 (:class:`Timing`: median, best, spread). Ratios of medians are what the benchmarks report.
 :class:`ModuleTimer` measures the time spent inside selected modules. :func:`machine_info` says
-where the numbers were measured; they mean little without it. :func:`publish` prints a
-benchmark's table and writes its JSON record.
+where the numbers were measured; they mean little without it. :func:`count_ops` counts the
+torch operators a function dispatches (dispatch, not arithmetic, sets the cost of small-tensor
+work). :func:`publish` prints a benchmark's table and writes its JSON record.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -159,6 +161,48 @@ class ModuleTimer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """Torch operators dispatched per call of a function (see :func:`count_ops`).
+
+    Attributes:
+        per_call: operators per call (every ``aten`` op that reaches dispatch, views included:
+            on small tensors each costs a few microseconds of dispatch whatever it computes).
+        by_op: ``aten`` op name -> calls per call, most frequent first.
+    """
+
+    per_call: float
+    by_op: dict[str, float]
+
+    def top(self, count: int = 8) -> dict[str, float]:
+        """The ``count`` most frequent ops."""
+        return dict(list(self.by_op.items())[:count])
+
+
+def count_ops(fn: Callable[[], object], calls: int = 3) -> OpCount:
+    """Count the torch operators ``fn`` dispatches, averaged over ``calls`` calls (no gradients).
+
+    Per-op dispatch, not arithmetic, sets the cost of a speculative round's small-tensor work, so
+    benchmarks report ops beside milliseconds. Counted with a ``TorchDispatchMode``: the ops that
+    reach the ``aten`` dispatcher, which is what eager execution pays for (a compiled graph
+    dispatches fewer).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: Counter[str] = Counter()
+
+    class _Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            counts[str(func.overloadpacket.__name__)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), _Counter():
+        for _ in range(calls):
+            fn()
+    total = sum(counts.values())
+    return OpCount(total / calls, {name: n / calls for name, n in counts.most_common()})
 
 
 def cpu_name() -> str:

@@ -53,6 +53,10 @@ def test_tiny_run_schema_and_greedy_exactness(tmp_path: Path) -> None:
         assert set(PHASES) <= set(head["phases_s"])
         assert all(head["phases_s"][k] > 0 for k in PHASES)
         assert head["round_over_verify"]["sampling"] > 0
+        ops = head["ops"]["per_call"]
+        assert ops["verify"] > 0 and ops["ar_step"] > 0 and ops["parameterise"] > 0
+        assert ops["head_sampling"] == ops["parameterise"] + ops["draft_sample"] + ops["conditionals"]
+        assert ops["head_greedy"] == ops["parameterise"] + ops["draft_greedy"]
         for mode in ("greedy", "sampling"):
             decode = head["decode"][mode]
             for name in ("autoregressive", "speculative", "forced"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuits_llm.timing import GradMode, interleaved, machine_info, medians, publish
+from circuits_llm.timing import GradMode, count_ops, interleaved, machine_info, medians, publish
 
 
 def test_one_call_per_sample_and_the_grad_mode_of_every_call() -> None:
@@ -46,3 +46,12 @@ def test_publish_prints_the_table_and_writes_the_record(tmp_path: Path,
     assert list(path.parent.iterdir()) == [path]
     out = capsys.readouterr().out
     assert out.startswith("the table\n") and f"wrote {path} (1 s)" in out
+
+
+def test_count_ops_counts_the_aten_ops_of_a_call() -> None:
+    x = torch.ones(3)
+    counted = count_ops(lambda: (x + 1) * 2, calls=4)
+    assert counted.per_call == 2.0
+    assert counted.by_op == {"add": 1.0, "mul": 1.0}
+    views = count_ops(lambda: x.view(3, 1).transpose(0, 1), calls=2)
+    assert views.per_call == 2.0 and views.top(1) in ({"view": 1.0}, {"transpose": 1.0})
