@@ -52,9 +52,13 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
 
 
 def atomic_write_json(path: str | os.PathLike[str], payload: Mapping[str, Any], *,
-                      sort_keys: bool = False) -> Path:
-    """Write ``payload`` as indented JSON (no NaN or infinity) to ``path`` atomically."""
-    text = json.dumps(payload, indent=2, sort_keys=sort_keys, allow_nan=False) + "\n"
+                      sort_keys: bool = False, allow_nan: bool = False) -> Path:
+    """Write ``payload`` as indented JSON to ``path`` atomically.
+
+    NaN and infinity are refused (they are not JSON) unless ``allow_nan``: a training record
+    keeps a diverged loss as written by Python's ``json``.
+    """
+    text = json.dumps(payload, indent=2, sort_keys=sort_keys, allow_nan=allow_nan) + "\n"
     return atomic_write_text(path, text)
 
 

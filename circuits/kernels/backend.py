@@ -79,7 +79,7 @@ BackendLike = KernelBackend | str
 _GLOBAL: KernelBackend | None = None
 _CONTEXT: contextvars.ContextVar[KernelBackend | None] = contextvars.ContextVar(
     "circuits_kernel_backend", default=None)
-_TRITON_IMPORT: dict[str, object] = {}  # cache: {"ok": bool, "error": str}
+_TRITON_IMPORT: dict[str, object] = {}  # cache: {"ok": bool, "error": str, "version": tuple}
 #: (kernel, dtype, device) -> why its triton call failed under AUTO: torch runs it from then on
 _FAILED: dict[tuple[TritonKernel, torch.dtype, str], str] = {}
 _WARNED_OLD_TRITON: list[bool] = []
@@ -156,13 +156,15 @@ def triton_version() -> tuple[int, ...] | None:
     """The installed triton's ``(major, minor)``, or ``None`` when it is not importable."""
     if triton_import_error() is not None:
         return None
-    import triton  # optional dependency: imported lazily
+    if "version" not in _TRITON_IMPORT:  # read once: AUTO asks on every CUDA call
+        import triton  # optional dependency: imported lazily
 
-    parts = []
-    for piece in triton.__version__.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+        parts = []
+        for piece in triton.__version__.split(".")[:2]:
+            digits = "".join(ch for ch in piece if ch.isdigit())
+            parts.append(int(digits or 0))
+        _TRITON_IMPORT["version"] = tuple(parts)
+    return _TRITON_IMPORT["version"]  # type: ignore[return-value]
 
 
 def failed_kernels() -> dict[tuple[TritonKernel, torch.dtype, str], str]:
@@ -241,8 +243,8 @@ def _auto_obstacle(kernel: TritonKernel | None, tensors: tuple[Tensor, ...]) -> 
                           f"{ENV_VAR}=triton to try it anyway)", KernelFallbackWarning,
                           stacklevel=4)
         return "untested triton release"
-    if kernel is not None and tensors and _failure_key(kernel, tensors) in _FAILED:
-        return _FAILED[_failure_key(kernel, tensors)]
+    if kernel is not None and tensors and _FAILED:
+        return _FAILED.get(_failure_key(kernel, tensors))
     return None
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from circuits.files import atomic_write
+from circuits.files import atomic_write_json
 from circuits_llm.backbone import AdapterMismatchError, HFBackbone
 from circuits_llm.checkpoint import CheckpointError
 from circuits_llm.heads import HeadConfigError, MTPHead, load_head, save_head
@@ -116,19 +116,13 @@ class HeadTrainingResult:
     interrupted_by: signal.Signals | None = None
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented JSON to ``path`` atomically (:func:`circuits.files.atomic_write`)."""
-    text = json.dumps(payload, indent=2) + "\n"
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def export_run(run_dir: Path, head: MTPHead, backbone: HFBackbone, record: dict[str, Any]) -> None:
     """Write ``head/``, ``adapter/`` (LoRA only) and then ``training.json`` into ``run_dir``."""
     save_head(head, run_dir / HEAD_DIR)
     if backbone.lora_layers > 0:
         backbone.save_adapter(run_dir / ADAPTER_DIR)
-    write_json_atomic(run_dir / RECORD_FILE, {"format": RECORD_FORMAT, "version": RECORD_VERSION,
-                                              **record})
+    atomic_write_json(run_dir / RECORD_FILE,
+                      {"format": RECORD_FORMAT, "version": RECORD_VERSION, **record}, allow_nan=True)
 
 
 def read_record(run_dir: str | Path) -> dict[str, Any]:
