@@ -2,7 +2,8 @@
 
 Layers of the library, from the bottom up:
 
-* :mod:`circuits.symbolic`: the IR (input, sum and product layers over scoped variables);
+* :mod:`circuits.symbolic`: the IR (input, sum and product layers over scoped variables; input
+  families Categorical, Bernoulli, Binomial and Gaussian);
 * :mod:`circuits.region_graphs`: region graphs and circuits built from them;
 * :mod:`circuits.templates`: named architectures (FF, CP, HMM, BTree) by name or function;
 * :mod:`circuits.structure`: smoothness, decomposability, structured decomposability, compatibility;
@@ -23,14 +24,27 @@ from circuits.errors import (
     ZeroProbabilityEvidenceError,
 )
 from circuits.operations import integrate, multiply, snapshot, square
-from circuits.parameterizations import Exp, Parameterization, Softmax
+from circuits.parameterizations import Exp, Native, Parameterization, Softmax
 from circuits.serialization import circuit_from_dict, circuit_to_dict, load_circuit, save_circuit
 from circuits.structure import are_compatible, check, is_decomposable, is_smooth, is_structured_decomposable
-from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
+from circuits.symbolic import (
+    Bernoulli,
+    Binomial,
+    Categorical,
+    Circuit,
+    Gaussian,
+    InputDistribution,
+    InputLayer,
+    Layer,
+    ProductKind,
+    ProductLayer,
+    SumLayer,
+)
 
 __all__ = [
-    "Categorical", "Circuit", "CircuitError", "CompiledCircuit", "Exp", "InputLayer",
-    "InvalidInputError", "InvalidParameterError", "Layer", "ParameterProblem", "ParameterSpec",
+    "Bernoulli", "Binomial", "Categorical", "Circuit", "CircuitError", "CompiledCircuit", "Exp",
+    "Gaussian", "InputDistribution", "InputLayer", "InvalidInputError", "InvalidParameterError",
+    "Layer", "Native", "ParameterProblem", "ParameterSpec",
     "Parameterization", "ProductKind", "ProductLayer", "RegionGraphError", "Semiring",
     "SerializationError", "Softmax", "StructureError", "SumLayer", "UnknownArchitectureError",
     "ZeroProbabilityEvidenceError", "are_compatible", "check", "circuit_from_dict", "circuit_to_dict",

@@ -28,7 +28,7 @@ from circuits.compiled.circuit import CompiledCircuit
 from circuits.errors import InvalidInputError, StructureError
 from circuits.parameterizations import Exp
 from circuits.structure import compatibility_violations
-from circuits.symbolic import Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
+from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
 
 #: A built pair: the layer, and ``perm`` with ``perm[u]`` = canonical index ``i * K_b + j`` of the
 #: pair computed by the layer's unit ``u`` (``None`` when the layer is in canonical order).
@@ -325,6 +325,13 @@ def multiply(first: Circuit, second: Circuit) -> Circuit:
         raise StructureError("cannot multiply circuits that are not compatible:\n- "
                              + "\n- ".join(problems))
     for name, circuit in (("first", first), ("second", second)):
+        other = [layer for layer in circuit.input_layers
+                 if not isinstance(layer.distribution, Categorical)]
+        if other:
+            raise StructureError(
+                f"multiply supports Categorical inputs only; {other[0].describe()} in the {name} "
+                "circuit is not (products of Bernoulli, Binomial or Gaussian inputs are not "
+                "implemented)")
         integrated = [layer for layer in circuit.input_layers if layer.integrated]
         if integrated:
             raise StructureError(

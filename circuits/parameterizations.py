@@ -8,6 +8,10 @@ or the inputs of a sum unit) to log-weights along that dimension.
   it are normalised by construction, so their partition function is 1.
 * :class:`Exp` gives unnormalised positive weights ``exp(raw)``; the partition function is then
   whatever the circuit computes, and :meth:`CompiledCircuit.log_partition` is the query for it.
+* :class:`Native` marks the input families that hold their own raw parameters (a Bernoulli or
+  Binomial success logit, a Gaussian mean and log-standard-deviation): their densities are
+  normalised and computed by the family (:mod:`circuits.compiled.input_families`), so there is no
+  table of log-weights to map to.
 
 Both are differentiable and work on any leading batch dimensions, which is what lets the same
 compiled circuit run with parameters supplied per call (one parameter set per batch row).
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from circuits.errors import StructureError
 
 
 class Parameterization(ABC):
@@ -59,3 +65,22 @@ class Exp(Parameterization):
 
     def log_weights(self, raw: Tensor) -> Tensor:
         return raw
+
+
+@dataclass(frozen=True)
+class Native(Parameterization):
+    """The raw parameters of a Bernoulli, Binomial or Gaussian input layer, read by its family.
+
+    Those families are normalised densities over their domain whatever their (finite) raw values,
+    so :attr:`normalized` is True; their log-densities come from
+    :mod:`circuits.compiled.input_families`, not from a table of log-weights. Set automatically on
+    such layers (``InputLayer(..., Gaussian())``); a Categorical layer cannot use it.
+    """
+
+    normalized: bool = True
+
+    def log_weights(self, raw: Tensor) -> Tensor:
+        raise StructureError(
+            "Native parameters (Bernoulli, Binomial, Gaussian input layers) have no table of "
+            "log-weights; operations that need one (such as circuits.operations.multiply) support "
+            "Categorical input layers only")

@@ -16,11 +16,17 @@ Format (version 1)::
         {"type": "sum", "num_units": 1, "parameterization": "exp", "inputs": [2], "initial": [[...]]}
      ]}
 
+The other input families write their distribution as ``{"type": "bernoulli"}``,
+``{"type": "binomial", "total_count": n}`` or ``{"type": "gaussian", "min_variance": v}``, with
+``"parameterization": "native"`` (their own raw parameters: a success logit, or a mean and a
+log-standard-deviation, per unit).
+
 ``inputs`` index earlier entries of ``layers``. Floats are written with full (round-trip) precision;
 ``-inf`` (an exact zero) is written as the string ``"-inf"`` so that files are strict JSON.
 Parameters must be valid (:mod:`circuits.compiled.validity`): no NaN, no ``+inf`` and at least one
-entry above ``-inf`` per row; a circuit with others is refused on writing, and a file holding them
-(``"nan"``, ``"inf"``, or a row of ``"-inf"``) on reading, naming the layer and the first bad index.
+entry above ``-inf`` per row (success logits: any number but NaN; Gaussian parameters: finite); a
+circuit with others is refused on writing, and a file holding them (``"nan"``, ``"inf"``, or a row
+of ``"-inf"``) on reading, naming the layer and the first bad index.
 Loaded parameters are float64 tensors. Every malformed input raises
 :class:`~circuits.errors.SerializationError` naming the offending entry.
 """
@@ -36,15 +42,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuits.compiled.validity import first_problem
+from circuits.compiled.input_families import ValueRule
+from circuits.compiled.validity import first_problem, problem_text
 from circuits.errors import CircuitError, ParameterProblem, SerializationError
 from circuits.files import atomic_write_text
-from circuits.parameterizations import Exp, Parameterization, Softmax
-from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
+from circuits.parameterizations import Exp, Native, Parameterization, Softmax
+from circuits.symbolic import (
+    Bernoulli,
+    Binomial,
+    Categorical,
+    Circuit,
+    Gaussian,
+    InputDistribution,
+    InputLayer,
+    Layer,
+    ProductKind,
+    ProductLayer,
+    SumLayer,
+)
 
 FORMAT = "circuits.circuit"
 VERSION = 1
-_PARAMETERIZATIONS: dict[str, Parameterization] = {"softmax": Softmax(), "exp": Exp()}
+_PARAMETERIZATIONS: dict[str, Parameterization] = {"softmax": Softmax(), "exp": Exp(),
+                                                   "native": Native()}
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 _INPUT_KEYS = {"type", "variable", "num_units", "distribution", "parameterization", "integrated",
                "initial"}
@@ -73,21 +93,45 @@ def _tensor_to_lists(value: Tensor) -> list[list[float | str]]:
     return [[_encode(x) for x in row] for row in rows]
 
 
-def _invalid_values(values: Tensor) -> str | None:
+def _invalid_values(values: Tensor, rule: ValueRule) -> str | None:
     """Where and how the ``(K, D)`` parameters ``values`` are invalid, e.g. ``"[1][2] is NaN"``."""
-    found = first_problem(values)
+    found = first_problem(values, rule)
     if found is None:
         return None
     index, problem = found
     where = "".join(f"[{i}]" for i in index)
     if problem is ParameterProblem.NO_MASS:
         return f"{where} is -inf everywhere (unit {index[0]} has no mass)"
-    return f"{where} is {problem.value}"
+    return f"{where} is {problem_text(problem)}"
 
 
 #: what a parameter may hold, appended to the errors about parameter values
-_VALID = ("a parameter must be a number or -inf (an exact zero), with at least one entry above -inf "
-          "in every row")
+_VALID = {
+    ValueRule.ROWS: ("a parameter must be a number or -inf (an exact zero), with at least one entry "
+                     "above -inf in every row"),
+    ValueRule.NOT_NAN: "a success logit must be a number, -inf and inf included, not NaN",
+    ValueRule.FINITE: "a Gaussian's mean and log-standard-deviation must be finite numbers",
+}
+
+
+def _rule(distribution: InputDistribution | None) -> ValueRule:
+    """Which raw values are valid for an input layer of ``distribution`` (None: a sum layer), see
+    :mod:`circuits.compiled.validity`."""
+    if distribution is None or isinstance(distribution, Categorical):
+        return ValueRule.ROWS
+    return ValueRule.FINITE if isinstance(distribution, Gaussian) else ValueRule.NOT_NAN
+
+
+def _distribution_to_dict(distribution: InputDistribution) -> dict[str, Any]:
+    if isinstance(distribution, Categorical):
+        return {"type": "categorical", "num_categories": distribution.num_categories}
+    if isinstance(distribution, Bernoulli):
+        return {"type": "bernoulli"}
+    if isinstance(distribution, Binomial):
+        return {"type": "binomial", "total_count": distribution.total_count}
+    if isinstance(distribution, Gaussian):
+        return {"type": "gaussian", "min_variance": distribution.min_variance}
+    raise SerializationError(f"cannot serialise the input distribution {distribution!r}")
 
 
 def circuit_to_dict(circuit: Circuit, include_parameters: bool = True) -> dict[str, Any]:
@@ -107,7 +151,7 @@ def circuit_to_dict(circuit: Circuit, include_parameters: bool = True) -> dict[s
         entry: dict[str, Any]
         if isinstance(layer, InputLayer):
             entry = {"type": "input", "variable": layer.variable, "num_units": layer.num_units,
-                     "distribution": {"type": "categorical", "num_categories": layer.num_categories},
+                     "distribution": _distribution_to_dict(layer.distribution),
                      "parameterization": _parameterization_name(layer),
                      "integrated": layer.integrated}
         elif isinstance(layer, SumLayer):
@@ -121,10 +165,11 @@ def circuit_to_dict(circuit: Circuit, include_parameters: bool = True) -> dict[s
             raise SerializationError(f"cannot serialise {layer.describe()}: unknown layer type")
         if include_parameters and isinstance(layer, (InputLayer, SumLayer)) and \
                 layer.initial is not None:
-            problem = _invalid_values(layer.initial)
+            rule = _rule(layer.distribution if isinstance(layer, InputLayer) else None)
+            problem = _invalid_values(layer.initial, rule)
             if problem is not None:
                 raise SerializationError(f"cannot serialise {layer.describe()}: its initial "
-                                         f"parameters{problem}; {_VALID}")
+                                         f"parameters{problem}; {_VALID[rule]}")
             entry["initial"] = _tensor_to_lists(layer.initial)
         index[layer] = len(entries)
         entries.append(entry)
@@ -162,7 +207,7 @@ def _decode(value: object, where: str) -> float:
     raise SerializationError(f"{where} must hold numbers (or 'inf', '-inf', 'nan'), got {value!r}")
 
 
-def _initial(entry: dict[str, Any], where: str) -> Tensor | None:
+def _initial(entry: dict[str, Any], where: str, rule: ValueRule) -> Tensor | None:
     rows = entry.get("initial")
     if rows is None:
         return None
@@ -171,9 +216,9 @@ def _initial(entry: dict[str, Any], where: str) -> Tensor | None:
         raise SerializationError(f"{where}.initial must be a non-empty list of equally long lists")
     values = torch.tensor([[_decode(x, f"{where}.initial") for x in row] for row in rows],
                           dtype=torch.float64)
-    problem = _invalid_values(values)
+    problem = _invalid_values(values, rule)
     if problem is not None:
-        raise SerializationError(f"{where}.initial{problem}; {_VALID}")
+        raise SerializationError(f"{where}.initial{problem}; {_VALID[rule]}")
     return values
 
 
@@ -189,6 +234,32 @@ def _inputs(entry: dict[str, Any], where: str, built: list[Layer]) -> list[Layer
     return [built[i] for i in ids]
 
 
+#: the fields of each serialised distribution type, besides "type"
+_DISTRIBUTION_FIELDS = {"categorical": {"num_categories"}, "bernoulli": set(),
+                        "binomial": {"total_count"}, "gaussian": {"min_variance"}}
+
+
+def _distribution(value: object, where: str) -> InputDistribution:
+    kind = value.get("type") if isinstance(value, dict) else None
+    fields = _DISTRIBUTION_FIELDS.get(kind) if isinstance(kind, str) else None
+    if not isinstance(value, dict) or fields is None or set(value) != {"type", *fields}:
+        raise SerializationError(
+            f"{where} must be {{'type': 'categorical', 'num_categories': C}}, {{'type': 'bernoulli'}}, "
+            f"{{'type': 'binomial', 'total_count': n}} or {{'type': 'gaussian', 'min_variance': v}}, "
+            f"got {value!r}")
+    if kind == "categorical":
+        return Categorical(_int(value, "num_categories", where, 1))
+    if kind == "bernoulli":
+        return Bernoulli()
+    if kind == "binomial":
+        return Binomial(_int(value, "total_count", where, 1))
+    floor = value["min_variance"]
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not math.isfinite(floor) \
+            or floor <= 0:
+        raise SerializationError(f"{where}.min_variance must be a finite number > 0, got {floor!r}")
+    return Gaussian(float(floor))
+
+
 def _layer(entry: object, where: str, built: list[Layer]) -> Layer:
     if not isinstance(entry, dict):
         raise SerializationError(f"{where} must be an object, got {type(entry).__name__}")
@@ -201,22 +272,17 @@ def _layer(entry: object, where: str, built: list[Layer]) -> Layer:
     if unknown:
         raise SerializationError(f"{where}: unknown fields {sorted(unknown)} for a {kind} layer")
     if kind == "input":
-        distribution = entry.get("distribution")
-        if not isinstance(distribution, dict) or distribution.get("type") != "categorical" or \
-                set(distribution) != {"type", "num_categories"}:
-            raise SerializationError(
-                f"{where}.distribution must be {{'type': 'categorical', 'num_categories': C}}, "
-                f"got {distribution!r}")
+        distribution = _distribution(entry.get("distribution"), f"{where}.distribution")
         integrated = entry.get("integrated", False)
         if not isinstance(integrated, bool):
             raise SerializationError(f"{where}.integrated must be true or false, got {integrated!r}")
         return InputLayer(_int(entry, "variable", where, 0), _int(entry, "num_units", where, 1),
-                          Categorical(_int(distribution, "num_categories", f"{where}.distribution", 1)),
-                          _parameterization(entry, where), _initial(entry, where), integrated)
+                          distribution, _parameterization(entry, where),
+                          _initial(entry, where, _rule(distribution)), integrated)
     inputs = _inputs(entry, where, built)
     if kind == "sum":
         return SumLayer(inputs, _int(entry, "num_units", where, 1), _parameterization(entry, where),
-                        _initial(entry, where))
+                        _initial(entry, where, _rule(None)))
     try:
         product_kind = ProductKind(entry.get("kind"))
     except ValueError:

@@ -13,6 +13,15 @@ Example (a mixture of two factorised distributions over two ternary variables)::
     root = SumLayer((prod,), num_units=1)                       # the mixture
     circuit = Circuit(root)
 
+Input layers carry a distribution *family* (:class:`InputDistribution`): :class:`Categorical`
+(categories ``0 .. C-1``, logits through a :class:`~circuits.parameterizations.Parameterization`),
+:class:`Bernoulli` (``{0, 1}``, one success logit per unit), :class:`Binomial` (``0 .. n``, one
+success logit per unit) or :class:`Gaussian` (real values, a mean and a log-standard-deviation per
+unit). The three new families hold their own raw parameters
+(:class:`~circuits.parameterizations.Native`); their math lives in
+:mod:`circuits.compiled.input_families`. Every input layer of one variable must share its domain
+(the same number of values, or real values).
+
 Unit numbering inside a layer is part of the IR's contract: a sum layer's weight matrix has shape
 ``(num_units, total_input_units)`` where inputs are concatenated in order; a Kronecker product's
 unit ``(i_1, ..., i_h)`` has index ``((i_1 * K_2 + i_2) * K_3 + ...)`` (first input most
@@ -30,7 +39,7 @@ from enum import Enum
 from torch import Tensor
 
 from circuits.errors import StructureError
-from circuits.parameterizations import Parameterization, Softmax
+from circuits.parameterizations import Native, Parameterization, Softmax
 
 Scope = frozenset[int]
 
@@ -47,19 +56,140 @@ class ProductKind(Enum):
 
 
 class InputDistribution:
-    """Base class of the distributions an input unit can carry (the design admits others)."""
+    """Base class of the distribution families an input unit can carry.
+
+    A family fixes the variable's *domain* (:attr:`support_size` values ``0 .. support_size - 1``,
+    or the real line when it is None) and how many raw parameters each unit holds
+    (:attr:`num_parameters`, the last dimension of the layer's raw tensor). Families are frozen
+    dataclasses: equal families compare equal, which is what lets layers fold together.
+    """
+
+    @property
+    def num_parameters(self) -> int:
+        """Raw parameters per unit (``D`` of the ``(num_units, D)`` raw tensor)."""
+        raise NotImplementedError
+
+    @property
+    def support_size(self) -> int | None:
+        """Number of values of a discrete family (``0 .. support_size - 1``); None for real values."""
+        raise NotImplementedError
+
+    @property
+    def discrete(self) -> bool:
+        return self.support_size is not None
+
+    def describe(self) -> str:
+        """A short name of the family for messages, e.g. ``"Binomial(4)"``."""
+        return type(self).__name__
 
 
 @dataclass(frozen=True)
 class Categorical(InputDistribution):
-    """A categorical distribution over ``num_categories`` values ``0 .. num_categories - 1``."""
+    """A categorical distribution over ``num_categories`` values ``0 .. num_categories - 1``.
+
+    Raw parameters: ``num_categories`` logits per unit, mapped to log-probabilities by the
+    layer's :class:`~circuits.parameterizations.Parameterization` (Softmax or Exp).
+    """
 
     num_categories: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_categories, int) or self.num_categories < 1:
+        if not isinstance(self.num_categories, int) or isinstance(self.num_categories, bool) \
+                or self.num_categories < 1:
             raise StructureError(
                 f"Categorical needs num_categories >= 1, got {self.num_categories!r}")
+
+    @property
+    def num_parameters(self) -> int:
+        return self.num_categories
+
+    @property
+    def support_size(self) -> int:
+        return self.num_categories
+
+    def describe(self) -> str:
+        return f"Categorical({self.num_categories})"
+
+
+@dataclass(frozen=True)
+class Bernoulli(InputDistribution):
+    """A Bernoulli distribution over ``{0, 1}``: ``p(1) = sigmoid(logit)``.
+
+    Raw parameters: one success logit per unit. ``-inf`` and ``+inf`` are the exact probabilities
+    ``p(1) = 0`` and ``p(1) = 1`` (as ``-inf`` is an exact zero of a categorical logit).
+    """
+
+    @property
+    def num_parameters(self) -> int:
+        return 1
+
+    @property
+    def support_size(self) -> int:
+        return 2
+
+    def describe(self) -> str:
+        return "Bernoulli"
+
+
+@dataclass(frozen=True)
+class Binomial(InputDistribution):
+    """A binomial distribution over ``0 .. total_count``: ``total_count`` trials of success
+    probability ``sigmoid(logit)``.
+
+    Raw parameters: one success logit per unit (``+-inf``: exact probabilities 1 and 0).
+    """
+
+    total_count: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.total_count, int) or isinstance(self.total_count, bool) \
+                or self.total_count < 1:
+            raise StructureError(f"Binomial needs total_count >= 1, got {self.total_count!r}")
+
+    @property
+    def num_parameters(self) -> int:
+        return 1
+
+    @property
+    def support_size(self) -> int:
+        return self.total_count + 1
+
+    def describe(self) -> str:
+        return f"Binomial({self.total_count})"
+
+
+@dataclass(frozen=True)
+class Gaussian(InputDistribution):
+    """A normal distribution over the real line, ``N(mean, exp(log_std) ** 2)``.
+
+    Raw parameters: ``(mean, log_std)`` per unit, both finite. ``min_variance`` is the variance
+    floor of the EM estimate (:meth:`FoldedInput.em_estimate
+    <circuits.compiled.layers.FoldedInput.em_estimate>`): a unit whose data collapse on one value
+    would otherwise get an infinite density. It does not constrain the raw parameters.
+    """
+
+    min_variance: float = 1e-6
+
+    def __post_init__(self) -> None:
+        value = self.min_variance
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or value <= 0:
+            raise StructureError(f"Gaussian needs a finite min_variance > 0, got {value!r}")
+
+    @property
+    def num_parameters(self) -> int:
+        return 2
+
+    @property
+    def support_size(self) -> None:
+        return None
+
+    def describe(self) -> str:
+        return "Gaussian"
+
+
+#: the families the compiled layer knows, in the order the serialisation names them
+FAMILIES: tuple[type[InputDistribution], ...] = (Categorical, Bernoulli, Binomial, Gaussian)
 
 
 def _check_initial(name: str, value: Tensor | None, shape: tuple[int, ...]) -> None:
@@ -107,10 +237,13 @@ class InputLayer(Layer):
     Args:
         variable: index of the variable (``>= 0``); data columns are indexed by it.
         num_units: how many input units (e.g. mixture components) this layer holds.
-        distribution: the distribution family; :class:`Categorical` for token/pixel data.
-        parameterization: maps raw logits ``(num_units, num_categories)`` to log-probabilities
-            (default :class:`~circuits.parameterizations.Softmax`).
-        initial: optional raw parameters of shape ``(num_units, num_categories)``.
+        distribution: the family: :class:`Categorical` for token/pixel data, :class:`Bernoulli`,
+            :class:`Binomial` or :class:`Gaussian`.
+        parameterization: for :class:`Categorical`, maps raw logits ``(num_units,
+            num_categories)`` to log-probabilities (default
+            :class:`~circuits.parameterizations.Softmax`); the other families use their own raw
+            parameters (None or :class:`~circuits.parameterizations.Native`).
+        initial: optional raw parameters of shape :attr:`parameter_shape`.
         integrated: when True the variable is summed out: the layer's scope is empty and each
             unit outputs its total mass (1 for normalised parameters). See
             :func:`circuits.operations.integrate`.
@@ -132,15 +265,33 @@ class InputLayer(Layer):
             raise StructureError(f"InputLayer: variable must be an int >= 0, got {variable!r}")
         if not isinstance(num_units, int) or num_units < 1:
             raise StructureError(f"InputLayer: num_units must be an int >= 1, got {num_units!r}")
-        if not isinstance(distribution, Categorical):
+        if not isinstance(distribution, FAMILIES):
+            known = ", ".join(f.__name__ for f in FAMILIES)
             raise StructureError(
-                f"InputLayer: only Categorical distributions are compiled so far, "
-                f"got {type(distribution).__name__}")
+                f"InputLayer: distribution must be one of {known} (an instance, e.g. "
+                f"Gaussian()), got {distribution!r}")
+        if parameterization is not None and not isinstance(parameterization, Parameterization):
+            raise StructureError(
+                f"InputLayer: parameterization must be a Parameterization or None, got "
+                f"{parameterization!r}")
+        if isinstance(distribution, Categorical):
+            if isinstance(parameterization, Native):
+                raise StructureError(
+                    "InputLayer: Categorical logits need a table parameterisation (Softmax or "
+                    "Exp); Native() is for the Bernoulli, Binomial and Gaussian families")
+            parameterization = parameterization or Softmax()
+        elif parameterization is None or isinstance(parameterization, Native):
+            parameterization = Native()
+        else:
+            raise StructureError(
+                f"InputLayer: {distribution.describe()} inputs hold their own raw parameters "
+                f"({_RAW_NAMES[type(distribution)]}); give parameterization=None (or Native()), "
+                f"not {parameterization!r}")
         super().__init__()
         self.variable = variable
         self._num_units = num_units
         self.distribution = distribution
-        self.parameterization = parameterization or Softmax()
+        self.parameterization = parameterization
         self.initial = initial
         self.integrated = integrated
         _check_initial(f"InputLayer(variable={variable})", initial, self.parameter_shape)
@@ -151,8 +302,12 @@ class InputLayer(Layer):
 
     @property
     def num_categories(self) -> int:
-        assert isinstance(self.distribution, Categorical)
-        return self.distribution.num_categories
+        """The number of values of a discrete family (StructureError for a Gaussian layer)."""
+        size = self.distribution.support_size
+        if size is None:
+            raise StructureError(
+                f"{self.describe()} is real-valued: it has no categories")
+        return size
 
     @property
     def scope(self) -> Scope:
@@ -160,12 +315,27 @@ class InputLayer(Layer):
 
     @property
     def parameter_shape(self) -> tuple[int, int]:
-        """Shape of the raw parameters: ``(num_units, num_categories)``."""
-        return (self.num_units, self.num_categories)
+        """Shape of the raw parameters: ``(num_units, distribution.num_parameters)`` (for a
+        Categorical layer ``(num_units, num_categories)``)."""
+        return (self.num_units, self.distribution.num_parameters)
 
     def describe(self) -> str:
         extra = ", integrated" if self.integrated else ""
-        return f"InputLayer#{self.uid}(variable={self.variable}, units={self.num_units}{extra})"
+        family = "" if isinstance(self.distribution, Categorical) else f", {self.distribution.describe()}"
+        return f"InputLayer#{self.uid}(variable={self.variable}, units={self.num_units}{family}{extra})"
+
+
+#: what each non-categorical family's raw parameters are, for messages
+_RAW_NAMES: dict[type[InputDistribution], str] = {
+    Bernoulli: "one success logit per unit",
+    Binomial: "one success logit per unit",
+    Gaussian: "mean and log-standard-deviation per unit",
+}
+
+
+def _domain(layer: InputLayer) -> str:
+    size = layer.distribution.support_size
+    return "real values" if size is None else f"{size} categories"
 
 
 class _InnerLayer(Layer):
@@ -212,6 +382,11 @@ class SumLayer(_InnerLayer):
             raise StructureError("SumLayer: inputs must be a non-empty sequence of layers")
         if not isinstance(num_units, int) or num_units < 1:
             raise StructureError(f"SumLayer: num_units must be an int >= 1, got {num_units!r}")
+        if parameterization is not None and (not isinstance(parameterization, Parameterization)
+                                             or isinstance(parameterization, Native)):
+            raise StructureError(
+                f"SumLayer: parameterization must be Softmax, Exp or another table "
+                f"parameterisation (Native is for input families), got {parameterization!r}")
         super().__init__(inputs)
         self._num_units = num_units
         self.parameterization = parameterization or Softmax()
@@ -273,14 +448,26 @@ class Circuit:
         if not inputs:
             raise StructureError("Circuit has no input layer")
         self.num_variables = 1 + max(layer.variable for layer in inputs)
-        categories: dict[int, int] = {}
+        first: dict[int, InputLayer] = {}
         for layer in inputs:
-            known = categories.setdefault(layer.variable, layer.num_categories)
-            if known != layer.num_categories:
+            known = first.setdefault(layer.variable, layer)
+            size, known_size = layer.distribution.support_size, known.distribution.support_size
+            if size is not None and known_size is not None and size != known_size:
                 raise StructureError(
-                    f"variable {layer.variable} has input layers with {known} and "
-                    f"{layer.num_categories} categories ({layer.describe()}); use one size")
-        self.num_categories: dict[int, int] = dict(sorted(categories.items()))
+                    f"variable {layer.variable} has input layers with {known_size} and {size} "
+                    f"categories ({layer.describe()}); use one size")
+            if (size is None) != (known_size is None):
+                raise StructureError(
+                    f"variable {layer.variable} has input layers with {_domain(known)} "
+                    f"({known.describe()}) and {_domain(layer)} ({layer.describe()}); every "
+                    "input layer of a variable must share its domain")
+        #: ``{variable: number of values}`` of the discrete variables (real-valued ones are absent)
+        self.num_categories: dict[int, int] = {
+            v: size for v, layer in sorted(first.items())
+            if (size := layer.distribution.support_size) is not None}
+        #: the variables with real values (Gaussian inputs), in increasing order
+        self.continuous_variables: tuple[int, ...] = tuple(
+            sorted(v for v, layer in first.items() if not layer.distribution.discrete))
 
     @property
     def scope(self) -> Scope:

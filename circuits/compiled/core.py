@@ -17,6 +17,7 @@ own parameters, normalised once per change of their values
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -53,9 +54,10 @@ class ParameterSpec:
 
     Attributes:
         name: key to use in an external-parameter mapping (e.g. ``"sum_7"``).
-        kind: INPUT (categorical logits) or SUM (mixing weights).
-        shape: ``(F, K, D)``: folded layers, units, categories or input units. An external
-            tensor for it has shape ``(B, F, K, D)``.
+        kind: INPUT (an input family's raw parameters) or SUM (mixing weights).
+        shape: ``(F, K, D)``: folded layers, units, raw parameters per input unit (categories of
+            a Categorical one) or input units. An external tensor for it has shape
+            ``(B, F, K, D)``.
         layers: the symbolic layer behind each of the ``F`` slots.
         variables: for input folds, the variable of each slot.
     """
@@ -70,8 +72,9 @@ class ParameterSpec:
 class CircuitCore(nn.Module):
     """A folded, log-space torch implementation of a smooth and decomposable circuit.
 
-    Data ``x`` is a ``(B, V)`` integer tensor with ``V = circuit.num_variables`` columns;
-    ``observed`` is a ``(B, V)`` or ``(V,)`` bool mask.
+    Data ``x`` is a ``(B, V)`` integer tensor with ``V = circuit.num_variables`` columns, or a
+    floating-point one when the circuit has a Gaussian (real-valued) variable, its discrete
+    columns then holding integral values; ``observed`` is a ``(B, V)`` or ``(V,)`` bool mask.
     """
 
     def __init__(self, circuit: Circuit, fold: bool = True, seed: int = 0,
@@ -92,6 +95,12 @@ class CircuitCore(nn.Module):
         #: ``categories`` as Python ints (checks read it without device round trips)
         self.category_sizes: tuple[int, ...] = tuple(int(c) for c in categories)
         self.register_buffer("categories", categories, persistent=False)
+        #: the Gaussian (real-valued) variables; x is a float tensor when there is one
+        self.continuous_variables: tuple[int, ...] = circuit.continuous_variables
+        continuous = torch.zeros(circuit.num_variables, dtype=torch.bool)
+        continuous[list(self.continuous_variables)] = True
+        #: (V,) bool: which columns of x are real-valued
+        self.register_buffer("continuous", continuous, persistent=False)
         generator = torch.Generator().manual_seed(seed)
         self.plans: tuple[FoldPlan, ...] = plan_folds(circuit, fold=fold)
         folds: list[nn.Module] = []
@@ -241,24 +250,46 @@ class CircuitCore(nn.Module):
         """
         return self.resolve_params(params, None, cache=False)
 
+    @property
+    def real_valued(self) -> bool:
+        """Whether data are real-valued (some variable is Gaussian): ``x`` is then a float tensor."""
+        return bool(self.continuous_variables)
+
+    def blank_data(self, batch: int) -> Tensor:
+        """A ``(batch, V)`` data tensor of zeros of the dtype queries take (long, or the circuit's
+        float dtype when it is real-valued), for passes where nothing is observed."""
+        dtype = self.dtype if self.real_valued else torch.long
+        return torch.zeros(batch, self.num_variables, dtype=dtype, device=self.categories.device)
+
     def validate_data(self, x: Tensor, observed: Tensor | None = None,
                       check_range: bool = True) -> tuple[Tensor, Tensor]:
         """Check ``x`` (B, V) and ``observed`` ((B, V), (V,) or None = all observed).
 
-        Returns ``x`` as long and ``observed`` as a (B, V) bool tensor.
+        Returns ``x`` as long (as a float tensor of at least the circuit's precision when the
+        circuit is real-valued) and ``observed`` as a (B, V) bool tensor. Only observed entries
+        are checked: unobserved ones may hold anything (NaN for a missing real value).
         """
         if not isinstance(x, Tensor):
             raise InvalidInputError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        if self.real_valued:
+            if not x.is_floating_point():
+                raise InvalidInputError(
+                    f"x must be a floating-point tensor: variables {list(self.continuous_variables)} "
+                    f"are Gaussian (real-valued); discrete variables take integral values in it; got "
+                    f"{x.dtype}")
+        elif x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise InvalidInputError(
                 f"x must hold integer category indices (e.g. torch.long), got {x.dtype}")
         if x.dim() != 2 or x.shape[1] != self.num_variables:
             raise InvalidInputError(
                 f"x must have shape (batch, {self.num_variables}), got {tuple(x.shape)}")
-        x = x.to(device=self.categories.device, dtype=torch.long)
+        if self.real_valued:
+            x = x.to(device=self.categories.device, dtype=torch.promote_types(x.dtype, self.dtype))
+        else:
+            x = x.to(device=self.categories.device, dtype=torch.long)
         batch = x.shape[0]
         if observed is None:
-            observed = torch.ones_like(x, dtype=torch.bool)
+            observed = torch.ones(x.shape, dtype=torch.bool, device=x.device)
         else:
             if not isinstance(observed, Tensor) or observed.dtype != torch.bool:
                 raise InvalidInputError("observed must be a bool tensor (True = observed)")
@@ -271,14 +302,43 @@ class CircuitCore(nn.Module):
                     f"{self.num_variables}), got {tuple(observed.shape)}")
             observed = observed.to(self.categories.device).expand(batch, -1)
         if check_range:
-            bad = observed & ((x < 0) | (x >= self.categories))
-            if bool(bad.any()):
-                row, col = (int(i) for i in bad.nonzero()[0])
-                size = int(self.categories[col])
-                raise InvalidInputError(
-                    f"x[{row}, {col}] = {int(x[row, col])} is out of range for variable {col} "
-                    f"with {size} categories (valid: 0..{size - 1})")
+            if self.real_valued:
+                self._check_real_data(x, observed)
+            else:
+                bad = observed & ((x < 0) | (x >= self.categories))
+                if bool(bad.any()):
+                    row, col = (int(i) for i in bad.nonzero()[0])
+                    size = int(self.categories[col])
+                    raise InvalidInputError(
+                        f"x[{row}, {col}] = {int(x[row, col])} is out of range for variable {col} "
+                        f"with {size} categories (valid: 0..{size - 1})")
         return x, observed
+
+    def _check_real_data(self, x: Tensor, observed: Tensor) -> None:
+        """Observed real values finite; observed discrete values integral and in range (one
+        host synchronisation when all is well)."""
+        discrete = observed & ~self.continuous
+        finite = torch.isfinite(x)
+        bad = observed & ~finite
+        bad |= discrete & finite & ((x != torch.floor(x)) | (x < 0) | (x >= self.categories))
+        if not bool(bad.any()):
+            return
+        row, col = (int(i) for i in bad.nonzero()[0])
+        value = float(x[row, col])
+        shown = str(int(value)) if value.is_integer() else repr(value)
+        if bool(self.continuous[col]):
+            raise InvalidInputError(
+                f"x[{row}, {col}] = {value} is not a real number: variable {col} is Gaussian; mark "
+                f"a missing value unobserved (observed[{row}, {col}] = False) instead")
+        size = int(self.categories[col])
+        if not math.isfinite(value) or not value.is_integer():
+            raise InvalidInputError(
+                f"x[{row}, {col}] = {shown} is not an integer: variable {col} is discrete with "
+                f"{size} categories (valid: 0..{size - 1}); mark a missing value unobserved "
+                f"(observed[{row}, {col}] = False) instead")
+        raise InvalidInputError(
+            f"x[{row}, {col}] = {shown} is out of range for variable {col} with {size} categories "
+            f"(valid: 0..{size - 1})")
 
     # ------------------------------------------------------------------ bottom-up pass
     def evaluate(self, x: Tensor, observed: Tensor, params: ParamsLike | None = None,

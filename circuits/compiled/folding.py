@@ -1,7 +1,9 @@
 """Folding: group the layers of a symbolic circuit into stacks that run as one tensor op.
 
 Two layers are folded together when they sit at the same depth (longest path from the inputs)
-and have the same *signature* (kind, width, input widths, parameterisation, ...). A fold of ``F``
+and have the same *signature* (kind, width, input widths, parameterisation, ...); input layers
+fold only with input layers of the same family and shape (``Categorical(3)`` with
+``Categorical(3)``, ``Binomial(4)`` with ``Binomial(4)``, equal numbers of units). A fold of ``F``
 layers with ``K`` units each produces one tensor of shape ``(F, B, K)`` for a batch of ``B``.
 
 The order of the folds, and of the layers inside each, depends on the circuit's structure alone:
@@ -24,7 +26,15 @@ from dataclasses import dataclass
 from enum import Enum
 
 from circuits.parameterizations import Parameterization
-from circuits.symbolic import Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
+from circuits.symbolic import (
+    Circuit,
+    InputDistribution,
+    InputLayer,
+    Layer,
+    ProductKind,
+    ProductLayer,
+    SumLayer,
+)
 
 
 class FoldKind(Enum):
@@ -62,7 +72,10 @@ class FoldPlan:
     inputs: tuple[InputAddress, ...] = ()
     product_kind: ProductKind | None = None
     parameterization: Parameterization | None = None
+    #: an input fold's number of values (0 for a real-valued family)
     num_categories: int = 0
+    #: an input fold's family (equal for every layer of the fold)
+    distribution: InputDistribution | None = None
 
     @property
     def num_folded(self) -> int:
@@ -76,7 +89,7 @@ class FoldPlan:
 
 def _signature(layer: Layer) -> tuple[object, ...]:
     if isinstance(layer, InputLayer):
-        return (FoldKind.INPUT, layer.num_units, layer.num_categories,
+        return (FoldKind.INPUT, layer.num_units, layer.distribution,
                 type(layer.parameterization), layer.parameterization.normalized)
     if isinstance(layer, SumLayer):
         return (FoldKind.SUM, layer.num_units, layer.input_widths,
@@ -115,7 +128,8 @@ def plan_folds(circuit: Circuit, fold: bool = True) -> tuple[FoldPlan, ...]:
         if isinstance(first, InputLayer):
             plans.append(FoldPlan(fold_id, FoldKind.INPUT, tuple(layers), depth[first],
                                   first.num_units, parameterization=first.parameterization,
-                                  num_categories=first.num_categories))
+                                  num_categories=first.distribution.support_size or 0,
+                                  distribution=first.distribution))
             continue
         arity = len(first.inputs)
         addresses = []

@@ -3,7 +3,8 @@
 All values are log-values of shape ``(F, B, K)`` (``F`` folded layers, batch ``B``, ``K`` units).
 Parameters are either the layer's own (``raw`` of shape ``(F, K, D)``) or supplied per call with a
 leading batch dimension (``(B, F, K, D)``): one parameter set per data row. ``D`` is the number of
-categories (input layers) or of concatenated input units (sum layers).
+raw parameters per input unit (the categories of a Categorical one, see
+:mod:`~circuits.compiled.input_families` for the others) or of concatenated input units (sum layers).
 
 Two semirings are supported: :attr:`Semiring.SUM` (log-sum-exp: probabilities) and
 :attr:`Semiring.MAX` (max-product: MAP/Viterbi values).
@@ -19,6 +20,14 @@ import torch
 from torch import Tensor, nn
 
 from circuits.compiled.folding import FoldPlan, InputAddress
+from circuits.compiled.input_families import (
+    CategoricalFamily,
+    InputFamily,
+    NativeFamily,
+    family_of,
+    free_value_per_row,
+)
+from circuits.errors import InvalidInputError
 from circuits.kernels import TritonKernel, log_matmul, rows_per_set, use_triton
 from circuits.kernels.ops import WeightsLike
 from circuits.kernels.softmax import softmax_stats
@@ -31,16 +40,16 @@ class Semiring(Enum):
     MAX = "max"  # max-product: MAP values
 
 
-def _initial_raw(plan: FoldPlan, shape: tuple[int, int], generator: torch.Generator) -> Tensor:
-    """Stack the symbolic layers' initial parameters, drawing random ones where none are given."""
-    assert plan.parameterization is not None
+def _initial_raw(plan: FoldPlan, random_raw: Callable[[], Tensor]) -> Tensor:
+    """Stack the symbolic layers' initial parameters, drawing random ones (``random_raw()``) where
+    none are given."""
     rows = []
     for layer in plan.layers:
         assert isinstance(layer, (InputLayer, SumLayer))
         if layer.initial is not None:
             rows.append(layer.initial.detach().cpu())
         else:
-            rows.append(plan.parameterization.initial_raw(shape, generator))
+            rows.append(random_raw())
     # float64 initial values keep their precision until compile() casts to the requested dtype
     dtype = torch.float64 if any(row.dtype == torch.float64 for row in rows) else torch.float32
     return torch.stack([row.to(dtype) for row in rows])
@@ -75,17 +84,22 @@ class SoftmaxParts(NamedTuple):
 
 
 class FoldedInput(nn.Module):
-    """A fold of categorical input layers.
+    """A fold of input layers of one family (:mod:`~circuits.compiled.input_families`).
 
     Buffers: ``variables`` (F,) the variable of each stacked layer; ``integrated`` (F,) bool.
-    Parameter: ``raw`` (F, K, C).
+    Parameter: ``raw`` (F, K, D): categorical logits (D = C), a success logit (Bernoulli,
+    Binomial: D = 1) or a mean and log-standard-deviation (Gaussian: D = 2).
     """
 
     def __init__(self, plan: FoldPlan, generator: torch.Generator) -> None:
         super().__init__()
-        assert plan.parameterization is not None
+        assert plan.parameterization is not None and plan.distribution is not None
         self.plan = plan
         self.parameterization: Parameterization = plan.parameterization
+        #: the family's math; ``categorical`` selects the table fast paths below
+        self.family: InputFamily = family_of(plan.distribution, plan.parameterization)
+        self.categorical = isinstance(self.family, CategoricalFamily)
+        #: number of values of a discrete family (0 for a Gaussian one)
         self.num_categories = plan.num_categories
         layers = [layer for layer in plan.layers if isinstance(layer, InputLayer)]
         self.register_buffer("variables", torch.tensor([la.variable for la in layers]))
@@ -93,16 +107,74 @@ class FoldedInput(nn.Module):
         #: (F,) bool, ``~integrated``: slots whose variable can be observed
         self.register_buffer("live", ~self.integrated, persistent=False)
         self.any_integrated = any(la.integrated for la in layers)
-        self.raw = nn.Parameter(_initial_raw(plan, (plan.num_units, plan.num_categories), generator))
+        self.raw = nn.Parameter(_initial_raw(
+            plan, lambda: self.family.initial_raw(plan.num_units, generator)))
 
     def log_probs(self, raw: Tensor | None) -> Tensor:
-        """Log-probabilities ``(F, K, C)`` or, for per-row parameters, ``(B, F, K, C)``."""
-        return self.parameterization.log_weights(self.raw if raw is None else raw)
+        """What the passes read: a Categorical fold's log-probabilities ``(F, K, C)`` or, for
+        per-row parameters, ``(B, F, K, C)``; another family's raw parameters (a copy of the
+        module's own, :meth:`NativeFamily.prepare
+        <circuits.compiled.input_families.NativeFamily.prepare>`)."""
+        raw = self.raw if raw is None else raw
+        if self.categorical:
+            return self.parameterization.log_weights(raw)
+        assert isinstance(self.family, NativeFamily)
+        return self.family.prepare(raw)
+
+    def em_estimate(self, values: Tensor, observed: Tensor, flows: Tensor,
+                    pseudocount: float) -> Tensor:
+        """The EM update of this fold's own parameters: new raw values of shape ``raw.shape``.
+
+        The weighted maximum-likelihood estimate of every unit, each row ``b`` weighted by the
+        unit's flow. Unobserved entries (and integrated slots) count the unit's own expected
+        sufficient statistics (Categorical: its probabilities; Bernoulli, Binomial: its mean;
+        Gaussian: its mean and second moment), which makes EM with missing values exact.
+        ``pseudocount`` is added to every category's count (Categorical) or to the successes and
+        to the failures (Bernoulli, Binomial); a Gaussian's variance is floored at its
+        ``min_variance`` instead. Units with no flow (and no pseudocount) keep their parameters.
+        Categorical units get ``log`` of the estimated probabilities, which Softmax (and Exp,
+        then normalised) maps back exactly.
+
+        Args:
+            values: (B, F) the data of the fold's slot variables (long or float; read where
+                observed).
+            observed: (B, F) bool.
+            flows: (B, F, K) nonnegative: ``d log p(x_b) / d log l_u`` per row, the unit's
+                posterior responsibility (expected count).
+            pseudocount: >= 0.
+
+        Returns:
+            (F, K, D) raw parameters, the dtype and device of ``raw``, without gradient.
+        """
+        fold, units = self.raw.shape[:2]
+        if not isinstance(values, Tensor) or not isinstance(observed, Tensor) or \
+                not isinstance(flows, Tensor):
+            raise InvalidInputError("em_estimate needs tensors values, observed and flows")
+        if values.dim() != 2 or values.shape[1] != fold or tuple(observed.shape) != tuple(values.shape) \
+                or tuple(flows.shape) != (values.shape[0], fold, units):
+            raise InvalidInputError(
+                f"em_estimate needs values and observed of shape (batch, {fold}) and flows of shape "
+                f"(batch, {fold}, {units}); got {tuple(values.shape)}, {tuple(observed.shape)} and "
+                f"{tuple(flows.shape)}")
+        if observed.dtype != torch.bool:
+            raise InvalidInputError(f"em_estimate: observed must be a bool tensor, got {observed.dtype}")
+        if isinstance(pseudocount, bool) or not isinstance(pseudocount, (int, float)) or \
+                not pseudocount >= 0 or pseudocount == float("inf"):
+            raise InvalidInputError(f"em_estimate: pseudocount must be a finite number >= 0, got "
+                                    f"{pseudocount!r}")
+        device = self.raw.device
+        with torch.no_grad():
+            observed = observed.to(device)
+            if self.any_integrated:
+                observed = observed & self.live
+            return self.family.em_estimate(self.raw.detach(), values.to(device), observed,
+                                           flows.to(device=device, dtype=self.raw.dtype),
+                                           float(pseudocount))
 
     def lazy_softmax(self, raw: Tensor | None) -> bool:
         """Whether :meth:`softmax_parts` should stand in for :meth:`log_probs` on ``raw``: external
         softmax logits, no integrated slot, no gradient wanted, and the triton backend selected."""
-        return (raw is not None and isinstance(self.parameterization, Softmax)
+        return (raw is not None and self.categorical and isinstance(self.parameterization, Softmax)
                 and not self.any_integrated
                 and not (torch.is_grad_enabled() and raw.requires_grad)
                 and use_triton(raw, kernel=TritonKernel.SOFTMAX_STATS))
@@ -117,16 +189,23 @@ class FoldedInput(nn.Module):
         """Log-values ``(F, B, K)`` of the units given data.
 
         Args:
-            x: (B, V) long, category of every variable (ignored where not observed).
+            x: (B, V) long, category of every variable (ignored where not observed); float when
+                the circuit has a Gaussian variable (discrete columns then hold integral values).
             observed: (B, V) bool; unobserved variables are summed out (max-ed out under MAX).
             log_probs: from :meth:`log_probs`, or :meth:`softmax_parts` (read without building
                 the log-softmax table under the SUM semiring).
         """
+        if not self.categorical:
+            assert isinstance(log_probs, Tensor)
+            return self._native_forward(x, observed, log_probs, semiring)
         parts = log_probs if isinstance(log_probs, SoftmaxParts) else None
         if parts is not None and semiring is not Semiring.SUM:
             parts, log_probs = None, log_probs.log_probs()
         # unobserved entries are never read, whatever they hold: keep them in range for indexing
-        values = x[:, self.variables].clamp(0, self.num_categories - 1)  # (B, F)
+        columns = x[:, self.variables]
+        if columns.is_floating_point():  # real-valued data: this fold's columns are integral
+            columns = columns.nan_to_num(0.0, 0.0, 0.0).long()
+        values = columns.clamp(0, self.num_categories - 1)  # (B, F)
         if parts is not None:
             sets, fold, units = parts.lse.shape
             group = rows_per_set(values.shape[0], sets)
@@ -160,8 +239,6 @@ class FoldedInput(nn.Module):
             is_observed = is_observed & self.live[:, None]
         if self.parameterization.normalized and semiring is Semiring.SUM:
             return torch.where(is_observed[:, :, None], picked, 0.0)  # free variables sum to 1
-        if bool(is_observed.all()):
-            return picked
         if self.parameterization.normalized:
             mass = log_probs.new_zeros(log_probs.shape[:-1])
         else:
@@ -180,6 +257,25 @@ class FoldedInput(nn.Module):
             summed_out = summed_out.repeat_interleave(
                 rows_per_set(values.shape[0], summed_out.shape[1]), 1)
         return torch.where(is_observed[:, :, None], picked, summed_out)
+
+    def _native_forward(self, x: Tensor, observed: Tensor, params: Tensor,
+                        semiring: Semiring) -> Tensor:
+        """:meth:`forward` of a Bernoulli, Binomial or Gaussian fold: normalised densities, so an
+        unobserved variable gives ``log 1 = 0`` (SUM) or the unit's highest log-density (MAX;
+        integrated slots stay summed)."""
+        family = self.family
+        assert isinstance(family, NativeFamily)
+        is_observed = observed[:, self.variables]  # (B, F)
+        if self.any_integrated:
+            is_observed = is_observed & self.live
+        picked = family.log_density(x[:, self.variables], is_observed, params)  # (F, B, K)
+        if semiring is Semiring.SUM:
+            free: Tensor | float = 0.0
+        else:
+            free = free_value_per_row(family.max_log_value(params), x.shape[0])
+            if self.any_integrated:
+                free = torch.where(self.integrated[:, None, None], 0.0, free)
+        return torch.where(is_observed.T[:, :, None], picked, free)
 
 
 def input_slice(address: InputAddress) -> slice | None:
@@ -276,7 +372,9 @@ class FoldedSum(RoutedFold):
         assert plan.parameterization is not None
         self.parameterization: Parameterization = plan.parameterization
         self.input_width = sum(plan.input_widths)
-        self.raw = nn.Parameter(_initial_raw(plan, (plan.num_units, self.input_width), generator))
+        parameterization = plan.parameterization
+        self.raw = nn.Parameter(_initial_raw(
+            plan, lambda: parameterization.initial_raw((plan.num_units, self.input_width), generator)))
 
     def log_weights(self, raw: Tensor | None) -> Tensor:
         """Log-weights ``(F, K, D)`` or, for per-row parameters, ``(B, F, K, D)``."""

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from circuits.compiled.core import CircuitCore
 from circuits.compiled.derivatives import input_gradients
+from circuits.compiled.input_families import BinomialFamily
 from circuits.compiled.layers import FoldedInput, SoftmaxParts
 from circuits.compiled.prepared import LogParameters, ParamsLike, Trace
 from circuits.errors import InvalidInputError
@@ -36,6 +37,13 @@ from circuits.kernels.softmax import softmax_mixture
 
 
 def _uniform_categories(circuit: CircuitCore, variables: Sequence[int]) -> int:
+    real = [v for v in variables if v in circuit.continuous_variables]
+    if real:
+        raise InvalidInputError(
+            f"variables {real} are Gaussian (real-valued): conditional queries return probability "
+            "vectors over categories and apply to discrete variables only; for a conditional "
+            "density use log_marginal with the variable observed minus log_marginal without it, "
+            "and conditional_sample to draw from it")
     sizes = {circuit.category_sizes[v] for v in variables}
     if len(sizes) != 1:
         raise InvalidInputError(
@@ -68,7 +76,7 @@ def log_partition(circuit: CircuitCore, params: ParamsLike | None = None) -> Ten
     prepared = circuit.resolve_params(params, None)
     sets = prepared.batch
     batch = 1 if sets is None else sets  # 0 parameter sets: 0 values, not 1
-    x = torch.zeros(batch, circuit.num_variables, dtype=torch.long, device=circuit.categories.device)
+    x = circuit.blank_data(batch)
     observed = torch.zeros_like(x, dtype=torch.bool)
     value = circuit.evaluate(x, observed, prepared)
     return value if sets is not None else value[0]
@@ -78,8 +86,9 @@ def all_conditionals(circuit: CircuitCore, x: Tensor, observed: Tensor,
                      prepared: LogParameters, num_categories: int) -> Tensor:
     """``(B, V, C)`` probabilities ``p(X_v = c | evidence)`` on validated inputs.
 
-    Rows of variables that are observed (or outside the scope) hold meaningless values; the
-    callers select the unobserved variables they were asked about. Not differentiable. One
+    Rows of variables that are observed (or outside the scope, or real-valued, or with another
+    number of categories) hold meaningless values; the callers select the unobserved variables
+    they were asked about. Not differentiable. One
     bottom-up pass and one derivative pass (:func:`~circuits.compiled.derivatives.input_gradients`)
     on ``prepared`` (:meth:`~circuits.compiled.core.CircuitCore.resolve_params`): nothing is
     re-normalised and its cached ``exp`` serves repeated calls.
@@ -94,20 +103,25 @@ def all_conditionals(circuit: CircuitCore, x: Tensor, observed: Tensor,
         for fold_id, grad in grads.items():
             module = circuit.folds[fold_id]
             assert isinstance(module, FoldedInput)
-            if module.num_categories != num_categories:
+            if module.num_categories != num_categories or not module.family.discrete:
                 continue
             leaf = trace.outputs[fold_id]  # (F, B, K) log-values l_u
             weight = torch.where(grad > 0, grad * torch.exp(-leaf), 0.0)
             table = prepared.values[fold_id]
             if isinstance(table, SoftmaxParts):  # triton: no softmax table is ever written
                 contribution = softmax_mixture(weight, table.logits, table.lse)
-            elif (probs := prepared.probs(fold_id)).dim() == 3:
-                contribution = torch.bmm(weight, probs)  # (F, B, C)
-            else:  # one parameter set per group of batch // sets rows: (F S) batched matmuls
-                sets, fold, units, size = probs.shape
-                per_set = probs.transpose(0, 1).reshape(fold * sets, units, size)
-                grouped = weight.reshape(fold * sets, rows_per_set(batch, sets), units)
-                contribution = torch.bmm(grouped, per_set).view(fold, batch, size)
+            else:
+                if isinstance(module.family, BinomialFamily):  # Bernoulli, Binomial: from logits
+                    probs = module.family.log_table(table).exp()
+                else:
+                    probs = prepared.probs(fold_id)
+                if probs.dim() == 3:
+                    contribution = torch.bmm(weight, probs)  # (F, B, C)
+                else:  # one parameter set per group of batch // sets rows: (F S) batched matmuls
+                    sets, fold, units, size = probs.shape
+                    per_set = probs.transpose(0, 1).reshape(fold * sets, units, size)
+                    grouped = weight.reshape(fold * sets, rows_per_set(batch, sets), units)
+                    contribution = torch.bmm(grouped, per_set).view(fold, batch, size)
             if module.any_integrated:
                 variables, contribution = module.variables[module.live], contribution[module.live]
             else:

@@ -10,13 +10,20 @@ layer is not visited.
   ``w_j * c_j(evidence)``: the exact posterior of the sum's latent variable given the evidence
   (``c_j = 1`` without evidence in a normalised circuit, so the weights alone are used);
 * a chosen product unit chooses the matching unit of every input (Kronecker: mixed-radix digits);
-* a chosen input unit over an unobserved variable samples a category from its distribution, or
+* a chosen input unit over an unobserved variable samples a value from its distribution, or
   copies the evidence when the variable is observed.
 
 Sampling draws float64 uniforms from the caller's ``torch.Generator``: Gumbel-max for sum units,
-inverse-CDF for categorical input units with shared parameters; MAP replaces the
-random choice by an argmax on the max-product values (exact for deterministic circuits,
-max-product/Viterbi otherwise).
+inverse-CDF for categorical input units with shared parameters and for Bernoulli and Binomial
+units (over their table of ``n + 1`` log-probabilities), and ``mean + std * eps`` with float64
+standard normal ``eps`` for Gaussian units. MAP replaces the random choice by an argmax on the
+max-product values (exact for deterministic circuits, max-product/Viterbi otherwise); an input
+unit's MAP value is its mode (:meth:`~circuits.compiled.input_families.NativeFamily.mode`: a
+Gaussian's mean, a Binomial's ``floor((n + 1) p)`` with ties to the smaller value).
+
+Results are ``(B, V)`` long with ``-1`` outside the circuit's scope; for a real-valued circuit (a
+Gaussian variable) they are floating-point, discrete columns holding integral values, with NaN
+outside the scope.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from torch import Tensor
 
 from circuits.compiled.core import CircuitCore
 from circuits.compiled.folding import FoldKind
+from circuits.compiled.input_families import BinomialFamily, GaussianFamily, NativeFamily
 from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring, SoftmaxParts
 from circuits.compiled.prepared import ParamsLike, Trace
 from circuits.compiled.validity import check_evidence
@@ -77,6 +85,28 @@ def _choose_categories(choose: Chooser, table: Tensor | SoftmaxParts, unit: Tens
     return choose(rows_of(table, unit))
 
 
+def _choose_inputs(choose: Chooser, module: FoldedInput, table: Tensor | SoftmaxParts,
+                   unit: Tensor) -> Tensor:
+    """The values ``(F, B)`` that the input units ``unit`` (F, B) emit, for any family: a
+    Categorical fold's categories (:func:`_choose_categories`); a Bernoulli or Binomial fold's
+    mode under MAP, else a choice over its log-probability table; a Gaussian fold's mean under
+    MAP, a normal draw when sampling."""
+    family = module.family
+    if module.categorical:
+        return _choose_categories(choose, table, unit)
+    assert isinstance(table, Tensor) and isinstance(family, NativeFamily)
+    if choose is argmax_chooser:
+        return family.mode(rows_of(table, unit))
+    if isinstance(family, BinomialFamily):
+        return _choose_categories(choose, family.log_table(table), unit)
+    assert isinstance(family, GaussianFamily)
+    if isinstance(choose, GumbelChooser):
+        return family.sample(rows_of(table, unit), choose.generator)
+    raise InvalidInputError(
+        f"a Gaussian input fold can be sampled (GumbelChooser) or maximised (argmax_chooser), "
+        f"not chosen by {choose!r}")
+
+
 def _inverse_cdf(table: Tensor, unit: Tensor, uniforms: Tensor) -> Tensor:
     """Category ``c`` of row ``unit[f, b]`` of ``softmax(table)`` with ``cdf[c-1] <= u < cdf[c]``.
 
@@ -100,7 +130,7 @@ def _send(chosen: list[Tensor], module: FoldedSum | FoldedProduct, h: int, unit:
     window = module.input_slices[h]
     if window is not None:  # one source read at evenly spaced slots, in this fold's order
         target = chosen[module.plan.inputs[h].sources[0]][window]
-        torch.maximum(target, unit, out=target)
+        target.copy_(torch.maximum(target, unit))  # in place through the view (traceable)
         return
     for source, fold_index, slot_index in module.routes(h):
         values = unit.index_select(0, fold_index)
@@ -110,7 +140,8 @@ def _send(chosen: list[Tensor], module: FoldedSum | FoldedProduct, h: int, unit:
 
 def descend(circuit: CircuitCore, trace: Trace, x: Tensor, observed: Tensor,
             choose: Chooser) -> Tensor:
-    """The top-down pass: returns the completed assignment ``(B, V)`` (-1 outside the scope)."""
+    """The top-down pass: returns the completed assignment ``(B, V)``: long with -1 outside the
+    scope, or (``x`` floating-point: a real-valued circuit) of ``x``'s dtype with NaN there."""
     batch = x.shape[0]
     device = x.device
     sizes = [plan.num_folded for plan in circuit.plans]
@@ -118,18 +149,24 @@ def descend(circuit: CircuitCore, trace: Trace, x: Tensor, observed: Tensor,
     chosen = list(torch.full((sum(sizes), batch), -1, dtype=torch.long,
                              device=device).split(sizes))
     chosen[-1][0] = 0
-    result = torch.full((batch, circuit.num_variables), -1, dtype=torch.long, device=device)
+    real = x.is_floating_point()
+    # each visited variable is written by exactly one unit per row: amax against the initial
+    # -1 (categories are >= 0) or -inf (real values are finite) keeps that one write
+    result = torch.full((batch, circuit.num_variables), -torch.inf if real else -1,
+                        dtype=x.dtype if real else torch.long, device=device)
     for plan, module in zip(reversed(circuit.plans), reversed(circuit.folds), strict=True):
         selected = chosen[plan.fold_id]
         if isinstance(module, FoldedInput):
-            values = _choose_categories(choose, trace.log_params[plan.fold_id],
-                                        selected.clamp(min=0))  # (F, B)
+            values = _choose_inputs(choose, module, trace.log_params[plan.fold_id],
+                                    selected.clamp(min=0))  # (F, B)
             variables = module.variables
+            if real:
+                values = values.to(x.dtype)
             values = torch.where(observed[:, variables].T, x[:, variables].T, values)
             keep = selected >= 0
             if module.any_integrated:
                 keep = keep & module.live[:, None]
-            values = torch.where(keep, values, -1)
+            values = torch.where(keep, values, -torch.inf if real else -1)
             result.scatter_reduce_(1, variables[None, :].expand(batch, -1), values.T, "amax")
         elif isinstance(module, FoldedSum):
             table, inputs = trace.log_params[plan.fold_id], trace.sum_inputs.get(plan.fold_id)
@@ -160,6 +197,8 @@ def descend(circuit: CircuitCore, trace: Trace, x: Tensor, observed: Tensor,
                     width = plan.input_widths[h]
                     _send(chosen, module, h, torch.where(active, rest % width, -1))
                     rest = torch.div(rest, width, rounding_mode="floor")
+    if real:
+        result = torch.where(torch.isneginf(result), torch.nan, result)
     return result
 
 
@@ -176,7 +215,8 @@ def conditional_sample(circuit: CircuitCore, x: Tensor, observed: Tensor,
         params: optional external parameters with batch B.
 
     Returns:
-        (B, V) long; variables outside the circuit's scope are -1.
+        (B, V) long; variables outside the circuit's scope are -1 (float with NaN there for a
+        real-valued circuit, see the module docstring).
 
     Raises:
         ZeroProbabilityEvidenceError: some row's evidence has probability zero (there is no
@@ -192,7 +232,8 @@ def conditional_sample(circuit: CircuitCore, x: Tensor, observed: Tensor,
 @torch.no_grad()
 def sample(circuit: CircuitCore, num_samples: int | None = None,
            generator: torch.Generator | None = None, params: ParamsLike | None = None) -> Tensor:
-    """Exact samples from the circuit's distribution: ``(num_samples, V)`` long.
+    """Exact samples from the circuit's distribution: ``(num_samples, V)`` long (floating-point
+    for a real-valued circuit, see the module docstring).
 
     With external parameters of batch B, draws one sample per parameter set (``num_samples``
     may be omitted or must equal B). A normalised circuit needs no bottom-up pass at all.
@@ -207,8 +248,7 @@ def sample(circuit: CircuitCore, num_samples: int | None = None,
         raise InvalidInputError(
             f"external parameters hold {batch} parameter sets: draw one sample per set "
             f"(num_samples={batch} or None), got num_samples={num_samples}")
-    device = circuit.categories.device
-    x = torch.zeros(batch, circuit.num_variables, dtype=torch.long, device=device)
+    x = circuit.blank_data(batch)
     observed = torch.zeros_like(x, dtype=torch.bool)
     if circuit.normalized:  # the weights alone: no bottom-up pass
         trace = Trace(log_params=dict(prepared.values))
@@ -232,7 +272,8 @@ def map_state(circuit: CircuitCore, x: Tensor | None = None, observed: Tensor | 
         observed: (B, V) or (V,) mask; default: nothing observed.
 
     Returns:
-        ``(state (B, V) long, log_value (B,))``.
+        ``(state (B, V) long, log_value (B,))``; the state is floating-point for a real-valued
+        circuit (a Gaussian unit's value is its mean) and the log-value is then a log-density.
 
     Raises:
         ZeroProbabilityEvidenceError: some row's evidence has probability zero (every
@@ -241,8 +282,7 @@ def map_state(circuit: CircuitCore, x: Tensor | None = None, observed: Tensor | 
     if x is None:  # the parameters fix the batch
         prepared = circuit.resolve_params(params, None)
         batch = prepared.batch
-        x = torch.zeros(1 if batch is None else batch, circuit.num_variables, dtype=torch.long,
-                        device=circuit.categories.device)
+        x = circuit.blank_data(1 if batch is None else batch)
         if observed is None:
             observed = torch.zeros_like(x, dtype=torch.bool)
         x, observed = circuit.validate_data(x, observed)

@@ -10,6 +10,11 @@ evidence are built from exact zeros). Invalid rows used to be hidden: the layers
 ``-inf`` (``nan_to_num``), so a NaN parameter gave ``-inf`` likelihoods and a plausible
 ``log_partition``.
 
+**Other input families** (:mod:`~circuits.compiled.input_families`, :class:`ValueRule`): a
+Bernoulli or Binomial success logit may be any number, ``-inf`` and ``+inf`` included (the exact
+probabilities 0 and 1), but not NaN; a Gaussian's mean and log-standard-deviation must be finite.
+Their errors name the entry the same way (tensor, layer, unit, index).
+
 **Cost.** :func:`check_parameters` reads every table once (a row-wise ``amax`` for a module's own
 small tables, a whole-tensor ``aminmax`` for external ones), reduces the results with one
 ``isfinite().all()`` and synchronises with the host **once** per call; only external tables that
@@ -24,6 +29,7 @@ synchronisation per call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from circuits.compiled.folding import FoldPlan
+from circuits.compiled.input_families import ValueRule
 from circuits.compiled.layers import FoldedInput, FoldedSum
 from circuits.errors import (
     InvalidInputError,
@@ -45,6 +52,16 @@ ADVICE = ("Parameters must be finite numbers or -inf (an exact zero), with at le
           "-inf in every row; NaN and inf usually come from a diverged training step, a corrupt "
           "checkpoint or non-finite inputs to the network that produced them.")
 
+#: the advice of the other value rules (see the module docstring)
+_RULE_ADVICE = {
+    ValueRule.NOT_NAN: ("A success logit must be a number (-inf and +inf are the exact probabilities 0 "
+                        "and 1); NaN usually comes from a diverged training step, a corrupt "
+                        "checkpoint or non-finite inputs to the network that produced it."),
+    ValueRule.FINITE: ("A Gaussian's mean and log-standard-deviation must be finite; NaN and inf "
+                       "usually come from a diverged training step, a corrupt checkpoint or "
+                       "non-finite inputs to the network that produced them."),
+}
+
 
 @dataclass(frozen=True)
 class ParameterTable:
@@ -54,11 +71,13 @@ class ParameterTable:
         where: the tensor's name in messages, e.g. ``"params['sum_3']"``.
         values: ``(F, K, D)`` (a module's own) or ``(B, F, K, D)`` (external) raw parameters.
         layers: the symbolic layer behind each of the ``F`` slots.
+        rule: which values are valid (sum weights and categorical logits: ROWS).
     """
 
     where: str
     values: Tensor
     layers: tuple[Layer, ...]
+    rule: ValueRule = ValueRule.ROWS
 
 
 def parameter_tables(plans: Sequence[FoldPlan], folds: Iterable[nn.Module],
@@ -70,24 +89,37 @@ def parameter_tables(plans: Sequence[FoldPlan], folds: Iterable[nn.Module],
     tables = []
     for plan, module in zip(plans, folds, strict=True):
         if isinstance(module, (FoldedInput, FoldedSum)):
+            rule = module.family.value_rule if isinstance(module, FoldedInput) else ValueRule.ROWS
             given = external.get(plan.name)
             if given is not None:
-                tables.append(ParameterTable(f"params[{plan.name!r}]", given, plan.layers))
+                tables.append(ParameterTable(f"params[{plan.name!r}]", given, plan.layers, rule))
             elif plan.fold_id not in verified:
                 tables.append(ParameterTable(f"{plan.name!r} (the circuit's own parameters, raw)",
-                                             module.raw, plan.layers))
+                                             module.raw, plan.layers, rule))
     return tables
 
 
-def first_problem(values: Tensor) -> tuple[tuple[int, ...], ParameterProblem] | None:
-    """The first invalid row of ``values`` (row-major order) and what is wrong with it, or None.
+def first_problem(values: Tensor, rule: ValueRule = ValueRule.ROWS
+                  ) -> tuple[tuple[int, ...], ParameterProblem | None] | None:
+    """The first invalid entry or row of ``values`` (row-major order) under ``rule`` and what is
+    wrong with it, or None.
 
-    The index has every dimension for NaN and ``+inf`` (the first such entry of the row) and
-    drops the last one for a row without mass.
+    The index has every dimension for a bad entry and drops the last one for a row without mass
+    (ROWS). The problem is None for a ``-inf`` entry where FINITE forbids it (the
+    :class:`ParameterProblem` values name NaN, +inf and rows without mass).
     """
     if not values.numel():
         return None
     values = values.detach()
+    if rule is not ValueRule.ROWS:
+        wrong = torch.isnan(values) if rule is ValueRule.NOT_NAN else ~torch.isfinite(values)
+        if not bool(wrong.any()):
+            return None
+        index = tuple(int(i) for i in wrong.nonzero()[0])
+        entry = float(values[index])
+        if math.isnan(entry):
+            return index, ParameterProblem.NAN
+        return index, ParameterProblem.POSITIVE_INFINITY if entry > 0 else None
     invalid = ~torch.isfinite(values.amax(-1))
     if not bool(invalid.any()):
         return None
@@ -101,8 +133,13 @@ def first_problem(values: Tensor) -> tuple[tuple[int, ...], ParameterProblem] | 
     return row, ParameterProblem.NO_MASS
 
 
+def problem_text(problem: ParameterProblem | None) -> str:
+    """How a problem reads in a message: ``"NaN"``, ``"+inf"``, ``"no mass"``; ``"-inf"`` for None."""
+    return "-inf" if problem is None else problem.value
+
+
 def _error(table: ParameterTable, index: tuple[int, ...],
-           problem: ParameterProblem) -> InvalidParameterError:
+           problem: ParameterProblem | None) -> InvalidParameterError:
     slot_axis = -2 if problem is ParameterProblem.NO_MASS else -3
     slot, unit = index[slot_axis], index[slot_axis + 1]
     layer = table.layers[slot].describe()
@@ -111,8 +148,9 @@ def _error(table: ParameterTable, index: tuple[int, ...],
         what = (f"{table.where}[{text}, :] is -inf everywhere: unit {unit} of {layer} has no mass "
                 "(every probability or weight is zero)")
     else:
-        what = f"{table.where}[{text}] is {problem.value} (unit {unit} of {layer})"
-    return InvalidParameterError(f"invalid parameter: {what}. {ADVICE}", where=table.where,
+        what = f"{table.where}[{text}] is {problem_text(problem)} (unit {unit} of {layer})"
+    advice = _RULE_ADVICE.get(table.rule, ADVICE)
+    return InvalidParameterError(f"invalid parameter: {what}. {advice}", where=table.where,
                                  layer=layer, index=index, problem=problem)
 
 
@@ -129,10 +167,18 @@ def check_parameters(tables: Sequence[ParameterTable]) -> None:
     wrong answers.
     """
     with torch.no_grad():
-        own = [t for t in tables if t.values.dim() == 3 and t.values.numel()]
-        external = [t for t in tables if t.values.dim() != 3 and t.values.numel()]
+        rows = [t for t in tables if t.values.numel() and t.rule is ValueRule.ROWS]
+        own = [t for t in rows if t.values.dim() == 3]
+        external = [t for t in rows if t.values.dim() != 3]
         extremes = [torch.aminmax(t.values) for t in external]
         finite = [t.values.amax(-1).reshape(-1) for t in own] + [hi.reshape(1) for _, hi in extremes]
+        for table in tables:  # other families: whole-tensor extremes (NaN propagates into both)
+            if table.values.numel() and table.rule is not ValueRule.ROWS:
+                lo, hi = torch.aminmax(table.values)
+                if table.rule is ValueRule.FINITE:
+                    finite.append(torch.stack([lo, hi]))
+                else:  # NOT_NAN: +-inf are valid, so map them to finite numbers first
+                    finite.append(torch.stack([lo, hi]).nan_to_num(nan=math.nan, posinf=0.0, neginf=0.0))
         if not finite:
             return
         verdict = torch.isfinite(torch.cat(finite)).all().reshape(1)
@@ -146,7 +192,7 @@ def check_parameters(tables: Sequence[ParameterTable]) -> None:
             if bool(torch.isfinite(maxima).all()):
                 return
     for table in tables:
-        found = first_problem(table.values)
+        found = first_problem(table.values, table.rule)
         if found is not None:
             raise _error(table, *found)
     raise AssertionError("check_parameters found a problem that first_problem cannot locate")
@@ -179,5 +225,5 @@ def check_evidence(root: Tensor, query: str) -> None:
         "parameter values")
 
 
-__all__ = ["ADVICE", "ParameterTable", "check_evidence", "check_parameters", "first_problem",
-           "parameter_tables"]
+__all__ = ["ADVICE", "ParameterTable", "ValueRule", "check_evidence", "check_parameters",
+           "first_problem", "parameter_tables", "problem_text"]

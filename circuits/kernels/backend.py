@@ -281,7 +281,14 @@ def resolve_backend(*tensors: Tensor, backend: BackendLike | None = None,
 
 def use_triton(*tensors: Tensor, backend: BackendLike | None = None,
                kernel: TritonKernel | None = None) -> bool:
-    """``resolve_backend(...) is KernelBackend.TRITON``: the one dispatch test of the library."""
+    """``resolve_backend(...) is KernelBackend.TRITON``: the one dispatch test of the library.
+
+    Code being traced by ``torch.compile`` always takes the torch path: inductor generates its
+    own fused kernels from it, and the hand-written launchers (with their compile probes and
+    fallbacks) are host code a graph cannot hold.
+    """
+    if torch.compiler.is_compiling():
+        return False
     return resolve_backend(*tensors, backend=backend, kernel=kernel) is KernelBackend.TRITON
 
 

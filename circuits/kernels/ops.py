@@ -235,6 +235,8 @@ def triton_log_matmul(x: Tensor, logw: Tensor, backend: BackendLike | None = Non
     Unchecked shapes: callers validate. Shared weights ``(F, K, D)`` or per-row ``(B, F, K, D)``.
     """
     kernel = TritonKernel.LSE_MATMUL if logw.dim() == 3 else TritonKernel.LSE_MATVEC_ROWS
+    if not use_triton(x, logw, backend=backend, kernel=kernel):  # torch.compile: always torch
+        return None
     auto = requested_backend(backend) is KernelBackend.AUTO
     return run_triton(kernel, (x, logw), lambda: TritonLogMatmul.apply(x, logw, auto), backend)
 

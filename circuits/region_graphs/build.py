@@ -2,8 +2,10 @@
 over its scope, following a CP or Tucker "sum-product layer" pattern.
 
 * **Leaf region** of one variable: an :class:`~circuits.symbolic.InputLayer` with
-  ``num_input_units`` categorical units. A leaf of several variables is fully factorised: a
-  Hadamard product of one such input layer per variable (in increasing variable order).
+  ``num_input_units`` units of the variable's family (``Categorical(num_categories)`` by default;
+  ``input_distribution`` chooses Bernoulli, Binomial, Gaussian or a family per variable). A leaf
+  of several variables is fully factorised: a Hadamard product of one such input layer per
+  variable (in increasing variable order).
 * **Partition**: a product layer over its child regions' layers (in the partition's child
   order): Hadamard for :attr:`SumProductPattern.CP`, Kronecker for
   :attr:`SumProductPattern.TUCKER`.
@@ -24,7 +26,8 @@ gives exactly :func:`circuits.templates.btree`, and ``linear(n)`` gives an inhom
 The circuit is smooth and decomposable for every region graph (a partition's children have
 disjoint scopes covering the region); when :meth:`RegionGraph.is_structured_decomposable` holds
 (e.g. for trees) it is structured-decomposable too. All units are normalised by the default
-:class:`~circuits.parameterizations.Softmax` parameterisations, so the partition function is 1.
+:class:`~circuits.parameterizations.Softmax` parameterisations (and the other families' densities
+are normalised), so the partition function is 1.
 """
 
 from __future__ import annotations
@@ -36,7 +39,16 @@ from circuits.errors import RegionGraphError
 from circuits.parameterizations import Parameterization
 from circuits.region_graphs.constructors import check_positive_int
 from circuits.region_graphs.graph import NodeKind, RegionGraph, format_scope
-from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductKind, ProductLayer, SumLayer
+from circuits.symbolic import (
+    Categorical,
+    Circuit,
+    InputDistribution,
+    InputLayer,
+    Layer,
+    ProductKind,
+    ProductLayer,
+    SumLayer,
+)
 
 
 class SumProductPattern(Enum):
@@ -67,6 +79,44 @@ def _category_table(region_graph: RegionGraph, num_categories: int | Mapping[int
     return dict.fromkeys(region_graph.scope, size)
 
 
+def _check_distribution(name: str, value: object) -> InputDistribution:
+    if isinstance(value, InputDistribution):
+        return value
+    if isinstance(value, type) and issubclass(value, InputDistribution):
+        raise RegionGraphError(
+            f"{name} must be an instance such as {value.__name__}(...), got the class "
+            f"{value.__name__} itself")
+    raise RegionGraphError(
+        f"{name} must be an InputDistribution (Categorical(C), Bernoulli(), Binomial(n), "
+        f"Gaussian()), got {value!r}")
+
+
+def _distribution_table(region_graph: RegionGraph, num_categories: int | Mapping[int, int] | None,
+                        input_distribution: InputDistribution | Mapping[int, InputDistribution] | None
+                        ) -> dict[int, InputDistribution]:
+    """The input family of every variable of the graph."""
+    if input_distribution is None:
+        if num_categories is None:
+            raise RegionGraphError(
+                "give num_categories (Categorical inputs) or input_distribution (e.g. Gaussian())")
+        return {v: Categorical(size)
+                for v, size in _category_table(region_graph, num_categories).items()}
+    if num_categories is not None:
+        raise RegionGraphError(
+            "give either num_categories (Categorical inputs) or input_distribution, not both: "
+            "a Categorical family is input_distribution=Categorical(C)")
+    if isinstance(input_distribution, Mapping):
+        missing = region_graph.scope - input_distribution.keys()
+        if missing:
+            raise RegionGraphError(
+                f"input_distribution has no entry for variables {format_scope(missing)}; give one "
+                "per variable of the region graph (or a single family for all)")
+        return {v: _check_distribution(f"input_distribution[{v}]", input_distribution[v])
+                for v in region_graph.scope}
+    family = _check_distribution("input_distribution", input_distribution)
+    return dict.fromkeys(region_graph.scope, family)
+
+
 def _parse_pattern(pattern: SumProductPattern | str) -> SumProductPattern:
     if isinstance(pattern, SumProductPattern):
         return pattern
@@ -80,9 +130,12 @@ def _parse_pattern(pattern: SumProductPattern | str) -> SumProductPattern:
 
 
 def build_circuit(region_graph: RegionGraph, pattern: SumProductPattern | str,
-                  num_sum_units: int, num_input_units: int, num_categories: int | Mapping[int, int],
+                  num_sum_units: int, num_input_units: int,
+                  num_categories: int | Mapping[int, int] | None = None,
                   input_parameterization: Parameterization | None = None,
-                  sum_parameterization: Parameterization | None = None) -> Circuit:
+                  sum_parameterization: Parameterization | None = None,
+                  input_distribution: InputDistribution | Mapping[int, InputDistribution] | None = None
+                  ) -> Circuit:
     """Build the circuit of ``region_graph`` (see the module docstring for the construction).
 
     Args:
@@ -91,9 +144,13 @@ def build_circuit(region_graph: RegionGraph, pattern: SumProductPattern | str,
             (Kronecker); the strings ``"cp"`` / ``"tucker"`` are accepted too.
         num_sum_units: units of every inner, non-root region (the root has one).
         num_input_units: units of every input layer.
-        num_categories: categories of every variable (an int), or ``{variable: size}``.
-        input_parameterization: of every input layer (default Softmax).
+        num_categories: categories of every variable (an int), or ``{variable: size}``: Categorical
+            inputs. Leave it None when ``input_distribution`` is given.
+        input_parameterization: of every Categorical input layer (default Softmax); the other
+            families hold their own parameters.
         sum_parameterization: of every sum layer (default Softmax).
+        input_distribution: the family of every input layer (e.g. ``Gaussian()``,
+            ``Binomial(16)``), or ``{variable: family}``; default ``Categorical(num_categories)``.
 
     Returns:
         A smooth, decomposable :class:`~circuits.symbolic.Circuit` with a one-unit output.
@@ -105,13 +162,18 @@ def build_circuit(region_graph: RegionGraph, pattern: SumProductPattern | str,
     pattern = _parse_pattern(pattern)
     num_sum_units = check_positive_int("num_sum_units", num_sum_units)
     num_input_units = check_positive_int("num_input_units", num_input_units)
-    categories = _category_table(region_graph, num_categories)
+    distributions = _distribution_table(region_graph, num_categories, input_distribution)
     for name, value in (("input_parameterization", input_parameterization),
                         ("sum_parameterization", sum_parameterization)):
         if value is not None and not isinstance(value, Parameterization):
             raise RegionGraphError(f"{name} must be a Parameterization or None, got {value!r}")
+    if input_parameterization is not None and \
+            not any(isinstance(d, Categorical) for d in distributions.values()):
+        raise RegionGraphError(
+            "input_parameterization applies to Categorical input layers, and this circuit has "
+            "none; the other families hold their own raw parameters: leave it None")
     builder = _CircuitBuilder(region_graph, _PRODUCT_KIND[pattern], num_sum_units,
-                              num_input_units, categories, input_parameterization,
+                              num_input_units, distributions, input_parameterization,
                               sum_parameterization)
     return Circuit(builder.run())
 
@@ -120,14 +182,14 @@ class _CircuitBuilder:
     """One pass over the regions, children before parents, memoising each region's layer."""
 
     def __init__(self, region_graph: RegionGraph, kind: ProductKind, num_sum_units: int,
-                 num_input_units: int, categories: dict[int, int],
+                 num_input_units: int, distributions: dict[int, InputDistribution],
                  input_parameterization: Parameterization | None,
                  sum_parameterization: Parameterization | None) -> None:
         self.rg = region_graph
         self.kind = kind
         self.num_sum_units = num_sum_units
         self.num_input_units = num_input_units
-        self.categories = categories
+        self.distributions = distributions
         self.input_parameterization = input_parameterization
         self.sum_parameterization = sum_parameterization
         self.layers: dict[Hashable, Layer] = {}
@@ -144,9 +206,13 @@ class _CircuitBuilder:
         return SumLayer(inputs, units, self.sum_parameterization)
 
     def _leaf(self, region: Hashable) -> Layer:
-        inputs = [InputLayer(v, self.num_input_units, Categorical(self.categories[v]),
-                             self.input_parameterization) for v in sorted(self.rg.scope_of(region))]
+        inputs = [self._input(v) for v in sorted(self.rg.scope_of(region))]
         return inputs[0] if len(inputs) == 1 else ProductLayer(inputs, ProductKind.HADAMARD)
+
+    def _input(self, variable: int) -> InputLayer:
+        family = self.distributions[variable]
+        parameterization = self.input_parameterization if isinstance(family, Categorical) else None
+        return InputLayer(variable, self.num_input_units, family, parameterization)
 
     def _region(self, region: Hashable) -> Layer:
         is_root = region == self.rg.root
