@@ -16,12 +16,19 @@ already decided (emitted) but not cached. A round
 
 So after every round ``backbone.length == len(prompt) + len(output) - 1``.
 
-If the draft gives ``X_0 = c`` probability zero, the round is an autoregressive one (the same
-law: every draft would be rejected). Invalid head outputs or verifier logits raise a
-:class:`DecoderError` naming the tensor; so does a concurrent ``generate`` (not thread-safe).
+Steps 1-2 and 4 are two fixed-shape programs with no host synchronisation inside
+(:class:`~circuits_llm.round.RoundProgram`, compiled with ``compile=True``); one small tensor
+crosses to the host per round: the draft, how many drafts were accepted, the emitted token and
+validity flags. A head with a compressed draft vocabulary (``head.draft_tokens``, K model ids)
+drafts over those K tokens; ``q`` is 0 elsewhere and the residual covers the rest.
 
-The round logic is a pure function of ``(p, q, draft)`` (:func:`round_law`) followed by
-:func:`transition`; the sampler and the exact-law enumerator of the tests both call them.
+If the draft gives ``X_0 = c`` probability zero (or ``c`` is outside the draft vocabulary),
+every draft is rejected and ``p_1`` decides: an autoregressive round in law. Invalid head
+outputs or verifier logits raise a :class:`DecoderError` naming the tensor; so does a concurrent
+``generate`` (not thread-safe).
+
+The verification law is a pure function of ``(p, q, draft)`` (:func:`round_law`) followed by
+:func:`transition`; the accept program and the exact-law enumerator of the tests both call them.
 """
 
 from __future__ import annotations
@@ -36,9 +43,7 @@ from torch import Tensor
 
 from circuits.compiled import CompiledCircuit
 from circuits.compiled.circuit import LogParameters
-from circuits.compiled.queries import log_prefix_conditionals
-from circuits.compiled.sampling import conditional_sample, map_state
-from circuits.errors import InvalidInputError, ZeroProbabilityEvidenceError
+from circuits.errors import InvalidInputError
 from circuits_llm.exclusive import exclusive
 from circuits_llm.metrics import DecodeResult, RoundKind, RoundStats, summarize
 from circuits_llm.protocols import (
@@ -48,12 +53,12 @@ from circuits_llm.protocols import (
     backbone_problem,
     draft_head_problem,
 )
+from circuits_llm.round import RoundLaw, RoundOutcome, RoundProgram, round_law
 from circuits_llm.warping import DecoderError, SamplingConfig, sample_token, target_probs
 
 __all__ = [
     "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "RoundLaw",
-    "SpeculativeDecoder", "Transition", "draft_conditionals", "draft_window", "round_law",
-    "sample_outcome", "transition",
+    "SpeculativeDecoder", "Transition", "round_law", "transition",
 ]
 
 
@@ -68,75 +73,6 @@ class CorrectionPolicy(Enum):
 
     EXACT = "exact"
     DROP_AFTER_ACCEPT = "drop_after_accept"
-
-
-@dataclass(frozen=True)
-class RoundLaw:
-    """Everything random about one verification, given ``p``, ``q`` and the draft.
-
-    Attributes:
-        accept: (n-1,) float64, ``a_k = min(1, p_k(d_k) / q_k(d_k))`` (0 where ``q_k(d_k) = 0``).
-        fallback: (n, V) float64; row ``k < n-1``: the law of the token emitted when draft
-            ``k+1`` is the first rejected one (the residual); row ``n-1``: the bonus law ``p_n``.
-    """
-
-    accept: Tensor
-    fallback: Tensor
-
-    def outcome_probs(self) -> Tensor:
-        """(n, V): ``P[s, y]`` = probability of accepting exactly ``s`` drafts, then emitting ``y``."""
-        ones = self.accept.new_ones(1)
-        reach = torch.cat([ones, torch.cumprod(self.accept, 0)])
-        stop = torch.cat([1 - self.accept, ones])
-        return (reach * stop)[:, None] * self.fallback
-
-
-def round_law(p: Tensor, q: Tensor, draft: Tensor) -> RoundLaw:
-    """The verification law of one round (pure; no randomness).
-
-    Args:
-        p: (n, V) target (warped) probabilities at window positions ``1..n``.
-        q: (n-1, V) the draft's exact conditionals ``q(X_k | c, d_1..d_{k-1})``. A row that is not
-            a finite vector (evidence impossible under the circuit) is treated as ``0``: its draft
-            is always rejected and the residual is ``p_k`` itself, which is exact whatever the
-            draft was.
-        draft: (n-1,) long, the drafted tokens.
-
-    Returns:
-        The :class:`RoundLaw`. A residual with zero mass is replaced by ``p_k``: it only occurs
-        when ``p_k <= q_k`` everywhere, i.e. ``p_k == q_k``, where rejection has probability 0.
-    """
-    p, q = p.double(), q.double().to(p.device)
-    drafted = draft.shape[0]
-    if p.shape[0] != drafted + 1 or q.shape != (drafted, p.shape[1]):
-        raise DecoderError(f"round_law needs p (n, V), q (n-1, V), draft (n-1,); got "
-                           f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(draft.shape)}")
-    q = torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
-    rows = torch.arange(drafted, device=p.device)
-    p_d, q_d = p[rows, draft], q[rows, draft]
-    ratio = torch.where(q_d > 0, p_d / torch.where(q_d > 0, q_d, 1.0), 0.0).clamp(max=1.0)
-    residual = (p[:drafted] - q).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p[:drafted])
-    return RoundLaw(accept=ratio, fallback=torch.cat([residual, p[drafted:]]))
-
-
-def sample_outcome(law: RoundLaw, greedy: bool,
-                   generator: torch.Generator | None) -> tuple[int, int]:
-    """Draw ``(accepted s, emitted token y)`` from a :class:`RoundLaw`.
-
-    Sequential accept tests with one uniform each (``u_k < a_k``), then one draw from the
-    fallback row ``s``. Greedy laws are deterministic (``a_k`` in {0, 1}, one-hot rows): no
-    randomness is consumed.
-    """
-    if greedy:
-        rejected = (law.accept < 1).nonzero()
-    else:
-        u = torch.rand(law.accept.shape, generator=generator, dtype=torch.float64,
-                       device=law.accept.device)
-        rejected = (u >= law.accept).nonzero()
-    accepted = int(rejected[0, 0]) if rejected.numel() else law.accept.shape[0]
-    return accepted, sample_token(law.fallback[accepted], greedy, generator)
 
 
 @dataclass(frozen=True)
@@ -163,54 +99,6 @@ def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
     return Transition((*draft[:accepted], token), token, accepted + 1)
 
 
-def _window_evidence(circuit: CompiledCircuit, c: int, rows: int) -> tuple[Tensor, Tensor]:
-    """``x`` (rows, n) holding ``c`` everywhere (only ``X_0`` is read) and the mask of ``X_0``."""
-    x = torch.full((rows, circuit.num_variables), c, dtype=torch.long, device=circuit.device)
-    observed = torch.arange(circuit.num_variables, device=circuit.device) == 0
-    return x, observed
-
-
-def draft_window(circuit: CompiledCircuit, params: dict[str, Tensor] | LogParameters, c: int,
-                 greedy: bool, generator: torch.Generator | None) -> Tensor:
-    """Draft ``d_1..d_{n-1}`` given ``X_0 = c``: (n-1,) long.
-
-    Sampling: an exact draw from ``q(X_1..X_{n-1} | X_0 = c)`` (``conditional_sample``).
-    Greedy: the max-product completion (``map_state``); any deterministic draft is correct.
-    ``params`` (batch 1) may be raw or prepared once per round by ``circuit.log_parameters``.
-    Raises :class:`~circuits.errors.ZeroProbabilityEvidenceError` when ``X_0 = c`` is impossible.
-    """
-    x, observed = _window_evidence(circuit, c, 1)
-    if greedy:
-        state, _ = map_state(circuit, x, observed, params)
-    else:
-        state = conditional_sample(circuit, x, observed, generator, params)
-    return state[0, 1:]
-
-
-def draft_conditionals(circuit: CompiledCircuit, params: dict[str, Tensor] | LogParameters,
-                       c: int, drafts: Tensor) -> Tensor:
-    """Exact conditionals ``q(X_k | X_0 = c, d_1..d_{k-1})`` for ``k = 1..n-1``.
-
-    Args:
-        params: the circuit parameters of one window (batch 1), raw or from
-            ``circuit.log_parameters`` (then shared with :func:`draft_window`: nothing is
-            normalised twice in a round).
-        drafts: (B, n-1) long, B drafts sharing those parameters.
-
-    Returns:
-        (B, n-1, V) float64 probability vectors (NaN rows if ``X_0 = c`` is impossible).
-    """
-    x, _ = _window_evidence(circuit, c, drafts.shape[0])
-    x[:, 1:] = drafts
-    rows = drafts.shape[0]
-    shared: dict[str, Tensor] | LogParameters
-    if isinstance(params, LogParameters):
-        shared = params.expand(rows)
-    else:
-        shared = {k: v.expand(rows, *v.shape[1:]) for k, v in params.items()}
-    return log_prefix_conditionals(circuit, x, None, shared)[:, 1:].double().exp()
-
-
 #: how invalid verifier logits are named in errors
 VERIFIER_LOGITS = "the backbone's verifier logits"
 
@@ -226,6 +114,22 @@ def _head_parameters(circuit: CompiledCircuit, params: object) -> LogParameters:
         return circuit.log_parameters(params)  # type: ignore[arg-type]
     except InvalidInputError as error:
         raise DecoderError(f"the draft head's output for this round is unusable: {error}") from error
+
+
+def _check_draft_tokens(head: DraftHead) -> int:
+    """The size of the head's draft vocabulary: ``head.draft_tokens`` (K,) distinct model ids
+    when it compresses the vocabulary, else the whole vocabulary."""
+    tokens = getattr(head, "draft_tokens", None)
+    if tokens is None:
+        return head.vocab_size
+    if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.is_floating_point() \
+            or tokens.numel() == 0:
+        raise DecoderError(f"head.draft_tokens must be a non-empty (K,) integer tensor of model "
+                           f"token ids, got {tokens!r}")
+    ids = tokens.tolist()
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= head.vocab_size:
+        raise DecoderError(f"head.draft_tokens must hold distinct ids in 0..{head.vocab_size - 1}")
+    return len(ids)
 
 
 def _now(device: torch.device) -> float:
@@ -384,10 +288,12 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         head: a :class:`DraftHead` whose circuit spans ``window >= 2`` variables.
         lora_layers: only used when ``backbone`` is an HF model.
         policy: keep :attr:`CorrectionPolicy.EXACT`; the other value is a biased negative control.
+        compile: run the round's draft and accept programs (:class:`~circuits_llm.round.RoundProgram`)
+            through ``torch.compile``: fixed shapes, no host synchronisation inside a round.
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
-                 policy: CorrectionPolicy = CorrectionPolicy.EXACT) -> None:
+                 policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False) -> None:
         self.backbone = _wrap_model(backbone, lora_layers)
         problem = draft_head_problem(head)
         if problem is not None:
@@ -403,44 +309,60 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             raise DecoderError(f"the head's window must be >= 2 (variable 0 is the known next "
                                f"token, the rest are drafted) and match its circuit's "
                                f"{circuit.num_variables} variables; got window={head.window}")
-        if any(int(k) != head.vocab_size for k in circuit.categories):
-            raise DecoderError(f"every circuit variable must have vocab_size={head.vocab_size} "
-                               f"categories, got {circuit.categories.tolist()}")
+        draft_size = _check_draft_tokens(head)
+        if any(k != draft_size for k in circuit.category_sizes):
+            raise DecoderError(f"every circuit variable must have {draft_size} categories (the "
+                               f"head's draft vocabulary), got {list(circuit.category_sizes)}")
         if not isinstance(policy, CorrectionPolicy):
             raise DecoderError(f"policy must be a CorrectionPolicy, got {policy!r}")
         self.head = head
         self.policy = policy
+        self.compile = bool(compile)
+        self._programs: dict[SamplingConfig, RoundProgram] = {}
 
     @property
     def device(self) -> torch.device:
         """The head's circuit device (drafts and conditionals live there)."""
         return self.head.circuit.device
 
+    def _program(self, config: SamplingConfig) -> RoundProgram:
+        """The round's draft/accept programs for ``config``: built (and compiled) once per
+        configuration, since warping and greedy/sampling are part of the program."""
+        program = self._programs.get(config)
+        if program is None:
+            program = self._programs[config] = RoundProgram(self.head, config, compile=self.compile)
+        return program
+
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
                generator: torch.Generator | None) -> tuple[Transition, BackboneStep, RoundStats]:
         if hidden is None:  # one-token prompt: nothing to parameterise the head with yet
             return super()._round(c, hidden, config, generator)
-        circuit, clock = self.head.circuit, self.device
+        program, clock = self._program(config), self.device
         t0 = _now(clock)
-        params = self.head(hidden)
+        uniforms = None if config.greedy else program.draw_uniforms(generator)
+        draft = program.draft(hidden, torch.tensor([c], device=clock), uniforms)
         t1 = _now(clock)
-        prepared = _head_parameters(circuit, params)  # checked, normalised once for draft and q
-        try:
-            draft = draft_window(circuit, prepared, c, config.greedy, generator)
-        except ZeroProbabilityEvidenceError:  # q(X_0 = c) = 0: no draft; p_1 decides (same law)
-            return super()._round(c, hidden, config, generator)
+        step = self.backbone.extend(draft.block)
         t2 = _now(clock)
-        if config.greedy:  # a deterministic draft's law is a point mass on it
-            q = torch.nn.functional.one_hot(draft, self.head.vocab_size).double()
-        else:
-            q = draft_conditionals(circuit, prepared, c, draft[None])[0]
+        outcome = program.outcome(program.accept(step.verifier_logits[0], draft, uniforms))
         t3 = _now(clock)
-        step = self.backbone.extend(torch.cat([draft.new_tensor([c]), draft])[None])
-        p = target_probs(step.verifier_logits[0], config, VERIFIER_LOGITS)
-        t4 = _now(clock)
-        accepted, token = sample_outcome(round_law(p, q, draft), config.greedy, generator)
-        move = transition(self.policy, draft.tolist(), accepted, token)
-        t5 = _now(clock)
-        stats = RoundStats(RoundKind.SPECULATIVE, int(draft.shape[0]), accepted, len(move.emitted),
-                           t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)
+        self._explain_failure(outcome, hidden, step, config)
+        move = transition(self.policy, outcome.draft, outcome.accepted, outcome.token)
+        # impossible evidence: every draft was rejected and p_1 decided, an AR step in law
+        kind, drafted = (RoundKind.SPECULATIVE, len(outcome.draft)) if outcome.possible else \
+            (RoundKind.AUTOREGRESSIVE, 0)
+        stats = RoundStats(kind, drafted, outcome.accepted, len(move.emitted), draft_s=t1 - t0,
+                           verify_s=t2 - t1, accept_s=t3 - t2, total_s=t3 - t0)
         return move, step, stats
+
+    def _explain_failure(self, outcome: RoundOutcome, hidden: Tensor, step: BackboneStep,
+                         config: SamplingConfig) -> None:
+        """Turn a round's failed flag into the detailed error of the eager checks (rare path:
+        the fast path only carries two booleans back to the host)."""
+        if not outcome.head_ok:
+            with torch.no_grad():
+                _head_parameters(self.head.circuit, self.head(hidden))
+            raise DecoderError("the draft head's output for this round is not finite")
+        if not outcome.verifier_ok:
+            target_probs(step.verifier_logits[0], config, VERIFIER_LOGITS)
+            raise DecoderError(f"{VERIFIER_LOGITS} have a row without a finite maximum")

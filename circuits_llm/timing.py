@@ -205,6 +205,55 @@ def count_ops(fn: Callable[[], object], calls: int = 3) -> OpCount:
     return OpCount(total / calls, {name: n / calls for name, n in counts.most_common()})
 
 
+def count_kernels(fn: Callable[[], object], calls: int = 3) -> OpCount:
+    """Count what ``fn`` launches, averaged over ``calls`` calls (no gradients): generated kernels
+    (inductor's ``cpp_fused_*`` and ``triton_*``) plus the top-level ``aten`` ops (extern kernels
+    such as ``addmm``, and every op of eager code). The measure that compares a compiled round to
+    an eager one, since a compiled graph's fused kernels never reach the dispatcher that
+    :func:`count_ops` watches. CPU kernels are visible only in code compiled while
+    ``torch._inductor.config.cpp.enable_kernel_profile`` is set (:func:`profile_compiled_kernels`).
+    On CUDA the launched device kernels are counted instead.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+    counts: Counter[str] = Counter()
+    for event in prof.events():
+        name = event.name
+        if cuda:
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                counts[name[:60]] += 1
+            continue
+        generated = "cpp_fused" in name or name.startswith("triton_")
+        if generated or (name.startswith("aten::") and not _inside_aten(event)):
+            counts[name[:60]] += 1
+    total = sum(counts.values())
+    return OpCount(total / calls, {name: n / calls for name, n in counts.most_common()})
+
+
+def _inside_aten(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def profile_compiled_kernels() -> None:
+    """Make code compiled from now on record its CPU kernels for :func:`count_kernels` (a
+    ``RECORD_FUNCTION`` per kernel call: benchmarks only)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True
+
+
 def cpu_name() -> str:
     """The CPU model (``/proc/cpuinfo``'s first ``model name``), else what platform knows."""
     name = platform.processor() or platform.machine()

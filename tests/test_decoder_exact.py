@@ -29,9 +29,9 @@ from circuits_llm.decoder import (
     CorrectionPolicy,
     SpeculativeDecoder,
     round_law,
-    sample_outcome,
 )
 from circuits_llm.metrics import RoundKind, aggregate, speedup
+from circuits_llm.round import RoundProgram
 from circuits_llm.warping import SamplingConfig, target_probs, warp_logits
 
 EXACT_TV = 1e-9
@@ -162,7 +162,15 @@ def test_greedy_round_law_accepts_exactly_the_argmax_prefix() -> None:
     q = torch.nn.functional.one_hot(torch.tensor([2, 1, 1]), 3).double()
     law = round_law(p, q, torch.tensor([2, 1, 1]))
     assert law.accept.tolist() == [1.0, 0.0, 1.0]
-    assert sample_outcome(law, True, None) == (1, 0)
+    # the greedy accept program: the first draft matches the argmax, the second does not
+    lm = ToyLM(3)
+    program = RoundProgram(ToyHead("cp", 4, 2, lm.hidden_size, 3), SamplingConfig(0.0))
+    draft = program.draft(torch.zeros(1, lm.hidden_size, dtype=torch.float64), torch.tensor([0]),
+                          None)
+    draft = type(draft)(torch.tensor([2, 1, 1]), draft.block, None, draft.head_ok, draft.possible)
+    logits = torch.log(p.clamp_min(1e-9))
+    outcome = program.outcome(program.accept(logits, draft, None))
+    assert (outcome.draft, outcome.accepted, outcome.token) == ((2, 1, 1), 1, 0)
 
 
 # ---------------------------------------------------------------------- HF warp equivalence

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuits_llm.timing import GradMode, count_ops, interleaved, machine_info, medians, publish
+from circuits_llm.timing import (
+    GradMode,
+    count_kernels,
+    count_ops,
+    interleaved,
+    machine_info,
+    medians,
+    publish,
+)
 
 
 def test_one_call_per_sample_and_the_grad_mode_of_every_call() -> None:
@@ -55,3 +63,12 @@ def test_count_ops_counts_the_aten_ops_of_a_call() -> None:
     assert counted.by_op == {"add": 1.0, "mul": 1.0}
     views = count_ops(lambda: x.view(3, 1).transpose(0, 1), calls=2)
     assert views.per_call == 2.0 and views.top(1) in ({"view": 1.0}, {"transpose": 1.0})
+
+
+def test_count_kernels_counts_top_level_ops_not_their_insides() -> None:
+    """An eager ``(a @ b).sum()`` launches two top-level ops (``matmul`` and ``sum``); ops called
+    inside them (``mm``, ``resolve_conj``...) are not counted again."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    counted = count_kernels(lambda: (a @ b).sum(), calls=2)
+    assert counted.per_call == 2
+    assert set(counted.by_op) == {"aten::matmul", "aten::sum"}

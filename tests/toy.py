@@ -29,8 +29,9 @@ from torch import Tensor, nn
 
 from circuits.compiled import CompiledCircuit, compile
 from circuits.templates import build
-from circuits_llm.decoder import CorrectionPolicy, draft_conditionals, round_law, transition
+from circuits_llm.decoder import CorrectionPolicy, round_law, transition
 from circuits_llm.protocols import BackboneStep
+from circuits_llm.round import RoundProgram
 from circuits_llm.warping import SamplingConfig, target_probs
 
 
@@ -118,17 +119,22 @@ class ToyHead(nn.Module):
         seed: seeds the circuit and the affine maps.
         scale: scale of the produced raw parameters (larger = peakier drafts).
         dtype: float32 or float64.
+        draft_tokens: a compressed draft vocabulary (model ids, in the circuit's category
+            order), or None to draft over the whole vocabulary.
     """
 
     def __init__(self, architecture: str, window: int, rank: int, hidden_size: int,
                  vocab_size: int, seed: int = 0, scale: float = 1.0,
-                 dtype: torch.dtype = torch.float64) -> None:
+                 dtype: torch.dtype = torch.float64,
+                 draft_tokens: Sequence[int] | None = None) -> None:
         super().__init__()
         self.window = window
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
+        self.draft_tokens = None if draft_tokens is None else torch.tensor(list(draft_tokens))
+        categories = vocab_size if draft_tokens is None else len(draft_tokens)
         self.circuit: CompiledCircuit = compile(
-            build(architecture, num_variables=window, num_categories=vocab_size, rank=rank),
+            build(architecture, num_variables=window, num_categories=categories, rank=rank),
             dtype=dtype, seed=seed)
         generator = torch.Generator().manual_seed(seed + 1)
         self.shapes = self.circuit.parameter_shapes()
@@ -169,7 +175,9 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
     """The exact law of the first ``length`` tokens a :class:`SpeculativeDecoder` emits.
 
     Enumerates every branch of the algorithm with the decoder's own round functions: every draft
-    weighted by its exact draft probability (the product of :func:`draft_conditionals`), every
+    (over the head's draft vocabulary: all tokens, or its compressed ``draft_tokens``) weighted
+    by its exact draft probability (the product of the conditionals the round program computes,
+    :meth:`RoundProgram.conditionals`), every
     accept/reject outcome and residual or bonus token with its probability
     (:meth:`RoundLaw.outcome_probs` of :func:`round_law`), and the resulting state
     (:func:`transition`). The decoder state after any history is a function of the sequence
@@ -177,7 +185,10 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
     rounds be memoised by that sequence.
     """
     window, vocab = head.window, lm.vocab_size
-    drafts = torch.tensor(list(itertools.product(range(vocab), repeat=window - 1)))
+    program = RoundProgram(head, config)
+    ids = torch.arange(vocab) if head.draft_tokens is None else head.draft_tokens
+    inside = set(ids.tolist())
+    drafts = torch.tensor(list(itertools.product(range(len(ids)), repeat=window - 1)))
     rounds: dict[tuple[int, ...], Law] = {}
 
     def round_outcomes(sequence: tuple[int, ...]) -> Law:
@@ -192,13 +203,19 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
                 outcomes[(y,)] += float(p[y])
         else:
             hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
-            with torch.no_grad():
-                params = head(hidden)
-            q_all = draft_conditionals(head.circuit, params, c, drafts)
-            draft_probs = q_all.gather(2, drafts[:, :, None])[:, :, 0].prod(1)
-            for draft, q, weight in zip(drafts, q_all, draft_probs.tolist(), strict=True):
+            if c not in inside:  # X_0 = c impossible: every draft is rejected, p_1 decides
+                q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64)
+                draft_probs = torch.zeros(len(drafts), dtype=torch.float64)
+                draft_probs[0] = 1.0  # any one draft stands for the round
+            else:
+                compact = program.conditionals(hidden, c, drafts)  # (D, n-1, K)
+                draft_probs = compact.gather(2, drafts[:, :, None])[:, :, 0].prod(1)
+                q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64)
+                q_all[:, :, ids] = compact
+            for index, q, weight in zip(drafts, q_all, draft_probs.tolist(), strict=True):
                 if weight <= 0:
                     continue
+                draft = ids[index]
                 lm.crop(len(sequence) - 1)
                 step = lm.extend(torch.cat([torch.tensor([c]), draft])[None])
                 law = round_law(target_probs(step.verifier_logits[0], config), q, draft)

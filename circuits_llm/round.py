@@ -1,0 +1,363 @@
+"""One speculative round as two fixed-shape programs with no host synchronisation inside.
+
+A round (see :mod:`circuits_llm.decoder` for the invariant and ``docs/decoder-exactness.md`` for
+the proof) is split at the backbone call:
+
+1. :meth:`RoundProgram.draft`: ``hidden`` (1, d) and the known next token ``c`` -> the drafted
+   window ``d_1..d_{n-1}`` and the draft's exact conditionals ``q`` over the head's draft
+   vocabulary. Head forward, normalisation, the conditioned bottom-up pass, the top-down draw (or
+   max-product completion when greedy) and the prefix-conditional pass.
+2. The backbone verifies ``[c, d_1..d_{n-1}]`` (one forward; :mod:`circuits_llm.backbone`).
+3. :meth:`RoundProgram.accept`: the verifier's logits -> how many drafts were accepted, the
+   emitted token, and the validity flags, vectorised over the window (residuals, bonus token).
+
+Every tensor shape depends only on (window, draft vocabulary, model vocabulary, circuit
+structure): no ``.item()``, no data-dependent shapes, no Python branch on a tensor value. So
+both programs can be compiled (``torch.compile``; on CUDA also captured as CUDA graphs) and the
+only thing that crosses to the host per round is one small integer tensor
+(:meth:`RoundProgram.outcome`: the draft, the accepted count, the emitted token and the flags).
+
+Randomness comes from the caller's ``torch.Generator`` as one tape of float64 uniforms per round
+(:class:`UniformTape`), drawn before the programs run: compiled code never holds a generator,
+and eager and compiled programs draw the same tokens from the same tape.
+
+Impossible evidence (the head gives ``X_0 = c`` probability zero, or ``c`` is outside a
+compressed draft vocabulary) needs no branch either: ``q`` becomes ``0``, so every draft is
+rejected and the residual is ``p_1`` itself, the autoregressive law.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits.compiled import CompiledCircuit
+from circuits.compiled.layers import Semiring
+from circuits.compiled.prepared import Trace
+from circuits.compiled.queries import all_conditionals
+from circuits.compiled.sampling import argmax_chooser, descend
+from circuits.kernels import GumbelChooser, use_backend
+from circuits_llm.warping import DecoderError, SamplingConfig, warp_logits
+
+#: compiled programs (head x configuration) one process can hold before Dynamo recompiles stop
+MAX_PROGRAMS = 64
+
+__all__ = ["DraftResult", "RoundLaw", "RoundOutcome", "RoundProgram", "UniformTape", "round_law"]
+
+
+@dataclass(frozen=True)
+class RoundLaw:
+    """Everything random about one verification, given ``p``, ``q`` and the draft.
+
+    Attributes:
+        accept: (n-1,) float64, ``a_k = min(1, p_k(d_k) / q_k(d_k))`` (0 where ``q_k(d_k) = 0``).
+        fallback: (n, V) float64; row ``k < n-1``: the law of the token emitted when draft
+            ``k+1`` is the first rejected one (the residual); row ``n-1``: the bonus law ``p_n``.
+    """
+
+    accept: Tensor
+    fallback: Tensor
+
+    def outcome_probs(self) -> Tensor:
+        """(n, V): ``P[s, y]`` = probability of accepting exactly ``s`` drafts, then emitting ``y``."""
+        ones = self.accept.new_ones(1)
+        reach = torch.cat([ones, torch.cumprod(self.accept, 0)])
+        stop = torch.cat([1 - self.accept, ones])
+        return (reach * stop)[:, None] * self.fallback
+
+
+def round_law(p: Tensor, q: Tensor, draft: Tensor) -> RoundLaw:
+    """The verification law of one round (pure; no randomness, no host synchronisation).
+
+    Args:
+        p: (n, V) target (warped) probabilities at window positions ``1..n``.
+        q: (n-1, V) the draft's exact conditionals ``q(X_k | c, d_1..d_{k-1})``. A row that is not
+            a finite vector (evidence impossible under the circuit) is treated as ``0``: its draft
+            is always rejected and the residual is ``p_k`` itself, which is exact whatever the
+            draft was.
+        draft: (n-1,) long, the drafted tokens.
+
+    Returns:
+        The :class:`RoundLaw`. A residual with zero mass is replaced by ``p_k``: it only occurs
+        when ``p_k <= q_k`` everywhere, i.e. ``p_k == q_k``, where rejection has probability 0.
+    """
+    p, q = p.double(), q.double().to(p.device)
+    drafted = draft.shape[0]
+    if p.shape[0] != drafted + 1 or q.shape != (drafted, p.shape[1]):
+        raise DecoderError(f"round_law needs p (n, V), q (n-1, V), draft (n-1,); got "
+                           f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(draft.shape)}")
+    q = torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
+    rows = torch.arange(drafted, device=p.device)
+    p_d, q_d = p[rows, draft], q[rows, draft]
+    ratio = torch.where(q_d > 0, p_d / torch.where(q_d > 0, q_d, 1.0), 0.0).clamp(max=1.0)
+    residual = (p[:drafted] - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p[:drafted])
+    return RoundLaw(accept=ratio, fallback=torch.cat([residual, p[drafted:]]))
+
+
+def _usable(raw: Tensor) -> Tensor:
+    """() bool: ``raw`` holds no NaN and no ``+inf`` and every last-dimension row has mass."""
+    return (~(torch.isnan(raw) | torch.isposinf(raw))).all() & (raw.amax(-1) > -math.inf).all()
+
+
+class UniformTape(GumbelChooser):
+    """A Gumbel-max chooser that reads its float64 uniforms from a pre-drawn tape.
+
+    The top-down pass asks for uniforms of static shapes in a fixed order, so a tape read at
+    Python-int offsets gives the same draws eagerly and under ``torch.compile``, where no
+    ``torch.Generator`` may be used. With ``tape=None`` it hands out zeros and only counts how
+    many uniforms a pass needs (:attr:`used`): how long the tape must be.
+    """
+
+    def __init__(self, tape: Tensor | None) -> None:
+        super().__init__(None)
+        self.tape = tape
+        self.used = 0
+
+    def uniforms(self, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        count = math.prod(shape)
+        start, self.used = self.used, self.used + count
+        if self.tape is None:
+            return torch.zeros(shape, dtype=torch.float64, device=device)
+        return self.tape[start:start + count].view(shape)
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    """What the draft program hands to the backbone and to the accept program.
+
+    Attributes:
+        tokens: (n-1,) long, the drafted tokens as model-vocabulary ids.
+        block: (1, n) long, ``[c, d_1..d_{n-1}]``: the backbone's verify input.
+        q: (n-1, K) float64, the draft's conditionals over the draft vocabulary (all zero when
+            the evidence ``X_0 = c`` is impossible); None when greedy (a point mass on the draft).
+        head_ok: () bool, the raw head outputs are usable: no NaN, no ``+inf``, and every row
+            (a softmax's last dimension) has an entry above ``-inf``.
+        possible: () bool, the evidence ``X_0 = c`` has probability above zero under the draft.
+    """
+
+    tokens: Tensor
+    block: Tensor
+    q: Tensor | None
+    head_ok: Tensor
+    possible: Tensor
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """The host's view of a round, read in one transfer.
+
+    Attributes:
+        draft: the drafted tokens (model ids).
+        accepted: how many of them were accepted.
+        token: the emitted correction or bonus token.
+        head_ok: the head's output was usable (see :class:`DraftResult`).
+        verifier_ok: every verifier row had a finite maximum (after warping).
+        possible: the draft gave ``X_0 = c`` positive probability; otherwise every draft was
+            rejected and the token came from ``p_1``: an autoregressive step in all but cost.
+    """
+
+    draft: tuple[int, ...]
+    accepted: int
+    token: int
+    head_ok: bool
+    verifier_ok: bool
+    possible: bool
+
+
+class RoundProgram:
+    """The draft and accept programs of one decoding configuration (head, greedy or sampling).
+
+    Args:
+        head: a draft head (``window``, ``circuit``, ``__call__(hidden) -> raw parameters``;
+            optionally ``draft_tokens`` (K,) long: a compressed draft vocabulary).
+        config: the sampling configuration (greedy when ``temperature == 0``).
+        compile: run both programs through ``torch.compile`` (``mode="reduce-overhead"`` on
+            CUDA: CUDA graphs). Traced code takes the kernels' torch path
+            (:func:`circuits.kernels.use_triton`), which inductor fuses itself.
+    """
+
+    def __init__(self, head: object, config: SamplingConfig, *, compile: bool = False) -> None:
+        self.head = head
+        self.config = config
+        self.circuit: CompiledCircuit = head.circuit  # type: ignore[attr-defined]
+        self.window: int = head.window  # type: ignore[attr-defined]
+        self.vocab_size: int = head.vocab_size  # type: ignore[attr-defined]
+        device = self.circuit.device
+        tokens = getattr(head, "draft_tokens", None)
+        self.draft_tokens: Tensor | None = None if tokens is None else tokens.to(device)
+        self.draft_size = self.circuit.category_sizes[0]
+        # model id -> draft-vocabulary index (-1 outside it)
+        self.position: Tensor | None = None
+        if self.draft_tokens is not None:
+            position = torch.full((self.vocab_size,), -1, dtype=torch.long, device=device)
+            position[self.draft_tokens] = torch.arange(self.draft_size, device=device)
+            self.position = position
+        self.compiled = compile
+        #: eager refresh of the head's cached derived tensors, which compiled code only reads
+        self._refresh: Callable[[], None] | None = getattr(head, "refresh_derived", None)
+        self._draft: Callable[..., DraftResult] = self._draft_eager
+        self._accept: Callable[..., tuple[Tensor, Tensor]] = self._accept_eager
+        self.tape_length = 0 if config.greedy else self._count_uniforms()
+        if compile:
+            # every program compiles the same two functions for its own head and configuration:
+            # room for many programs in one process before Dynamo would give up on them
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, MAX_PROGRAMS)
+            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit,
+                                                     4 * MAX_PROGRAMS)
+            mode = "reduce-overhead" if device.type == "cuda" else None
+            # fullgraph: a circuit that cannot be traced as one graph is an error, never a
+            # silent fall back to eager pieces
+            self._draft = torch.compile(self._draft_eager, mode=mode, dynamic=False, fullgraph=True)
+            self._accept = torch.compile(self._accept_eager, mode=mode, dynamic=False,
+                                         fullgraph=True)
+
+    # ------------------------------------------------------------------ randomness
+    def _count_uniforms(self) -> int:
+        hidden = torch.zeros(1, self.head.hidden_size, device=self.circuit.device,  # type: ignore[attr-defined]
+                             dtype=getattr(self.head, "dtype", torch.float32))
+        tape = UniformTape(None)
+        with torch.no_grad(), use_backend("torch"):
+            self._sample_window(self.head(hidden), torch.zeros(1, dtype=torch.long,  # type: ignore[operator]
+                                                               device=self.circuit.device), tape)
+        return tape.used
+
+    def draw_uniforms(self, generator: torch.Generator | None) -> Tensor:
+        """One round's float64 uniforms: the top-down draw's tape, then ``n`` for acceptance."""
+        return torch.rand(self.tape_length + self.window, generator=generator,
+                          dtype=torch.float64, device=self.circuit.device)
+
+    # ------------------------------------------------------------------ draft
+    def draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None) -> DraftResult:
+        """``hidden`` (1, d), ``c`` (1,) long model id, ``uniforms`` from :meth:`draw_uniforms`
+        (None when greedy) -> :class:`DraftResult`."""
+        with torch.no_grad():
+            if self.compiled and self._refresh is not None:
+                self._refresh()
+            return self._draft(hidden, c, uniforms)
+
+    def _evidence(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``x`` (1, n) with ``X_0`` = c's draft index, the mask of ``X_0``, and () bool: ``c`` is in
+        the draft vocabulary."""
+        n = self.window
+        index = c if self.position is None else self.position[c]
+        inside = (index >= 0).all()
+        x = torch.nn.functional.pad(index.clamp(min=0)[None, :], (0, n - 1))
+        observed = torch.arange(n, device=c.device)[None, :] == 0
+        return x, observed, inside
+
+    def _sample_window(self, raw: dict[str, Tensor], c: Tensor,
+                       chooser: GumbelChooser | None) -> tuple[Tensor, Tensor, Tensor, object]:
+        """The conditioned bottom-up pass and the top-down completion: ``(state (1, n) in
+        draft-vocabulary indices, log q(X_0 = c) (1,), inside (), prepared)``."""
+        circuit = self.circuit
+        prepared = circuit.resolve_params(raw, None, check=False)
+        x, observed, inside = self._evidence(c)
+        trace = Trace()
+        semiring = Semiring.SUM if chooser is not None else Semiring.MAX
+        value = circuit.evaluate(x, observed, prepared, semiring=semiring, trace=trace)
+        state = descend(circuit, trace, x, observed, chooser if chooser is not None else argmax_chooser)
+        return state, value, inside, prepared
+
+    def _draft_eager(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None) -> DraftResult:
+        raw = self.head(hidden)  # type: ignore[operator]
+        head_ok = torch.stack([_usable(v) for v in raw.values()]).all()
+        chooser = None if uniforms is None else UniformTape(uniforms)
+        state, value, inside, prepared = self._sample_window(raw, c, chooser)
+        drafted = state[0, 1:]
+        tokens = drafted if self.draft_tokens is None else self.draft_tokens[drafted]
+        block = torch.cat([c, tokens])[None]
+        possible = inside & torch.isfinite(value).all()
+        if uniforms is None:
+            return DraftResult(tokens, block, None, head_ok, possible)
+        q = self._conditionals(prepared, state)[0]
+        q = torch.where(possible & torch.isfinite(q).all(-1, keepdim=True), q, 0.0)
+        return DraftResult(tokens, block, q, head_ok, possible)
+
+
+
+    def _conditionals(self, prepared: object, states: Tensor) -> Tensor:
+        """``q(X_k | X_0, d_1..d_{k-1})`` for ``k = 1..n-1`` of each window in ``states``
+        (B, n) draft-vocabulary indices sharing ``prepared`` (batch 1): (B, n-1, K) float64.
+
+        One bottom-up and one derivative pass over the ``B (n-1)`` prefixes
+        (:func:`~circuits.compiled.queries.all_conditionals`)."""
+        batch, n = states.shape
+        device = states.device
+        rows = states.repeat_interleave(n - 1, dim=0)  # (B (n-1), n)
+        steps = torch.arange(n, device=device)
+        prefix = steps[None, :] < torch.arange(1, n, device=device)[:, None]  # (n-1, n)
+        shared = prepared.expand(batch * (n - 1))  # type: ignore[attr-defined]
+        probs = all_conditionals(self.circuit, rows, prefix.repeat(batch, 1), shared,
+                                 self.draft_size)  # (B (n-1), n, K)
+        picked = probs.view(batch, n - 1, n, -1)[:, torch.arange(n - 1, device=device),
+                                                 torch.arange(1, n, device=device)]
+        picked = picked.double()
+        return picked / picked.sum(-1, keepdim=True)
+
+    def conditionals(self, hidden: Tensor, c: int, drafts: Tensor) -> Tensor:
+        """The draft's exact conditionals for given drafts, as the draft program computes them
+        (eager): ``hidden`` (1, d), ``c`` a model id in the draft vocabulary, ``drafts``
+        (B, n-1) draft-vocabulary indices -> (B, n-1, K) float64. The exact-law enumeration of
+        the tests weighs every possible draft with these."""
+        with torch.no_grad():
+            raw = self.head(hidden)  # type: ignore[operator]
+            prepared = self.circuit.resolve_params(raw, None, check=False)
+            x, _, _ = self._evidence(torch.tensor([c], device=self.circuit.device))
+            states = torch.cat([x[:, :1].expand(drafts.shape[0], 1), drafts.to(x.device)], 1)
+            return self._conditionals(prepared, states)
+
+    # ------------------------------------------------------------------ accept
+    def accept(self, logits: Tensor, draft: DraftResult, uniforms: Tensor | None) -> Tensor:
+        """The verifier's ``logits`` (n, V) -> one long tensor holding, in order, the draft
+        tokens (n-1), the accepted count, the emitted token, and the head, verifier and evidence
+        flags:
+        everything :meth:`outcome` reads in the round's one host transfer."""
+        with torch.no_grad():
+            accepted, token, verifier_ok = self._accept(logits, draft.tokens, draft.q,
+                                                        draft.possible, uniforms)
+        flags = torch.stack([draft.head_ok, verifier_ok, draft.possible]).long()
+        return torch.cat([draft.tokens, accepted[None], token[None], flags])
+
+    def _accept_eager(self, logits: Tensor, tokens: Tensor, q: Tensor | None, possible: Tensor,
+                      uniforms: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        drafted = self.window - 1
+        if q is None:  # greedy: accept the prefix that matches the argmax, then emit an argmax
+            best = logits.argmax(-1)
+            ok = torch.isfinite(logits.amax(-1)).all()
+            # a draft the head could not make (impossible X_0 = c) is never accepted: p_1 decides
+            matches = (tokens == best[:drafted]) & possible
+            accepted = torch.cumprod(matches.long(), 0).sum()
+            return accepted, best.index_select(0, accepted[None])[0], ok
+        assert uniforms is not None
+        warped = warp_logits(logits, self.config)
+        ok = torch.isfinite(warped.amax(-1)).all()
+        p = torch.softmax(warped.double(), -1)  # (n, V)
+        if self.draft_tokens is None:
+            q_full = q
+        else:
+            q_full = p.new_zeros(drafted, self.vocab_size).index_copy_(1, self.draft_tokens, q)
+        law = round_law(p, q_full, tokens)
+        tests = uniforms[-self.window:]
+        accepted = torch.cumprod((tests[:drafted] < law.accept).long(), 0).sum()
+        row = law.fallback.index_select(0, accepted[None])[0]
+        cdf = row.cumsum(0)
+        token = torch.searchsorted(cdf, (tests[drafted] * cdf[-1])[None], right=True)[0]
+        token = token.clamp(max=self.vocab_size - 1)
+        # never a zero-probability token through rounding at the top of the CDF
+        token = torch.where(row.index_select(0, token[None])[0] > 0, token, row.argmax())
+        return accepted, token, ok
+
+    @staticmethod
+    def outcome(packed: Tensor) -> RoundOutcome:
+        """Read :meth:`accept`'s tensor on the host: the round's one synchronisation."""
+        values = packed.tolist()
+        return RoundOutcome(tuple(values[:-5]), values[-5], values[-4], bool(values[-3]),
+                            bool(values[-2]), bool(values[-1]))
+

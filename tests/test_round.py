@@ -1,0 +1,147 @@
+"""The fixed-shape round (:mod:`circuits_llm.round`): compressed vocabularies, compiled programs.
+
+* exact laws by enumeration with a compressed draft vocabulary (greedy and sampling), the
+  paper's biased variant as the negative control;
+* the round program's conditionals equal the library's prefix-conditional query;
+* no graph breaks: every program traces to one graph (no host synchronisation inside a round);
+* compiled programs draw the very tokens the eager ones draw from the same generator, greedy
+  and sampling, with and without a compressed vocabulary, and a chi-square check of sampled
+  compiled decoding against the exact target law.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
+
+from circuits.compiled.queries import log_prefix_conditionals
+from circuits_llm.decoder import AutoregressiveDecoder, CorrectionPolicy, DecoderError, SpeculativeDecoder
+from circuits_llm.round import RoundProgram
+from circuits_llm.warping import SamplingConfig
+
+EXACT_TV = 1e-9
+VOCAB = 4
+DRAFT_TOKENS = (2, 0, 3)  # token 1 is outside the draft vocabulary
+
+
+def _compressed(architecture: str, rank: int, window: int = 3, seed: int = 0,
+                ) -> tuple[ToyLM, ToyHead]:
+    lm = ToyLM(VOCAB, draft_branch=True, seed=seed)
+    head = ToyHead(architecture, window, rank, lm.hidden_size, VOCAB, seed=seed,
+                   draft_tokens=DRAFT_TOKENS)
+    return lm, head
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3),
+                                    SamplingConfig(1.2, top_p=0.8)], ids=["t1", "topk", "topp"])
+@pytest.mark.parametrize(("architecture", "rank"), [("ff", 1), ("cp", 2), ("btree", 2)])
+def test_compressed_vocabulary_law_is_exact(architecture: str, rank: int,
+                                            config: SamplingConfig) -> None:
+    """q = 0 outside the K draft tokens and the residual covers the rest: the output law is the
+    target's, including after prompts that end in a token outside the draft vocabulary."""
+    lm, head = _compressed(architecture, rank)
+    for prompt in ([0, 2], [2, 1]):
+        target = target_law(lm, prompt, 3, config)
+        exact = decoder_law(lm, head, prompt, 3, config)
+        assert abs(sum(exact.values()) - 1) < 1e-12
+        assert total_variation(exact, target) <= EXACT_TV
+    biased = decoder_law(lm, head, [0, 2], 3, SamplingConfig(1.0), CorrectionPolicy.DROP_AFTER_ACCEPT)
+    assert total_variation(biased, target_law(lm, [0, 2], 3, SamplingConfig(1.0))) > 1e-3
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_compressed_vocabulary_greedy_is_the_target(compile: bool) -> None:
+    lm, head = _compressed("btree", 2, window=4, seed=1)
+    reference = AutoregressiveDecoder(ToyLM(VOCAB, draft_branch=True, seed=1)).generate([0, 2], 14)
+    result = SpeculativeDecoder(lm, head, compile=compile).generate([0, 2], 14)
+    assert torch.equal(result.tokens, reference.tokens)
+    assert any(r.accepted > 0 for r in result.rounds)  # drafts from the compressed vocabulary
+
+
+def test_program_conditionals_equal_the_prefix_query() -> None:
+    lm = ToyLM(VOCAB, seed=4)
+    head = ToyHead("hmm", 4, 3, lm.hidden_size, VOCAB, seed=4)
+    program = RoundProgram(head, SamplingConfig(1.0))
+    hidden = torch.randn(1, lm.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    drafts = torch.tensor([[0, 3, 1], [2, 2, 2], [1, 0, 3]])
+    ours = program.conditionals(hidden, 1, drafts)
+    x = torch.cat([torch.ones(3, 1, dtype=torch.long), drafts], 1)
+    with torch.no_grad():
+        raw = {k: v.expand(3, *v.shape[1:]) for k, v in head(hidden).items()}
+        reference = log_prefix_conditionals(head.circuit, x, None, raw)[:, 1:].exp()
+    torch.testing.assert_close(ours, reference.double(), rtol=1e-12, atol=1e-12)
+
+
+def test_bad_draft_tokens_are_one_clear_error() -> None:
+    lm = ToyLM(VOCAB)
+    head = ToyHead("cp", 3, 2, lm.hidden_size, VOCAB, draft_tokens=(0, 1, 2))
+    head.draft_tokens = torch.tensor([0, 0, 2])
+    with pytest.raises(DecoderError, match="distinct ids"):
+        SpeculativeDecoder(lm, head)
+    head.draft_tokens = torch.tensor([0, 1])
+    with pytest.raises(DecoderError, match="2 categories"):
+        SpeculativeDecoder(lm, head)
+
+
+# ---------------------------------------------------------------------- one graph per program
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
+@pytest.mark.parametrize(("architecture", "rank", "draft_tokens"), [
+    ("ff", 1, None), ("cp", 2, None), ("hmm", 2, DRAFT_TOKENS), ("btree", 2, None)])
+def test_programs_trace_to_one_graph(architecture: str, rank: int,
+                                     draft_tokens: tuple[int, ...] | None, greedy: bool) -> None:
+    """No .item(), no data-dependent shape, no Python branch on a tensor: one graph each."""
+    lm = ToyLM(VOCAB, seed=2)
+    head = ToyHead(architecture, 4, rank, lm.hidden_size, VOCAB, seed=2, draft_tokens=draft_tokens)
+    program = RoundProgram(head, SamplingConfig(0.0 if greedy else 0.9, top_k=3))
+    hidden = torch.randn(1, lm.hidden_size, dtype=torch.float64)
+    c = torch.tensor([2])
+    uniforms = None if greedy else program.draw_uniforms(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        explained = torch._dynamo.explain(program._draft_eager)(hidden, c, uniforms)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        draft = program._draft_eager(hidden, c, uniforms)
+        logits = torch.randn(4, VOCAB, dtype=torch.float64)
+        explained = torch._dynamo.explain(program._accept_eager)(
+            logits, draft.tokens, draft.q, draft.possible, uniforms)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+# ---------------------------------------------------------------------- compiled = eager
+@pytest.fixture(scope="module")
+def compiled_pair() -> tuple[SpeculativeDecoder, SpeculativeDecoder]:
+    """One eager and one compiled decoder on the same toy (compiling costs seconds: shared)."""
+    lm, head = _compressed("btree", 2, window=4, seed=5)
+    return (SpeculativeDecoder(lm, head),
+            SpeculativeDecoder(ToyLM(VOCAB, draft_branch=True, seed=5), head, compile=True))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
+def test_compiled_round_draws_what_the_eager_round_draws(
+        compiled_pair: tuple[SpeculativeDecoder, SpeculativeDecoder], temperature: float) -> None:
+    eager, compiled = compiled_pair
+    for seed in range(3):
+        first = eager.generate([1, 2, 0], 16, temperature, top_k=3 if temperature else None,
+                               generator=torch.Generator().manual_seed(seed))
+        second = compiled.generate([1, 2, 0], 16, temperature, top_k=3 if temperature else None,
+                                   generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(first.tokens, second.tokens)
+        assert [r.accepted for r in first.rounds] == [r.accepted for r in second.rounds]
+
+
+def test_compiled_sampling_matches_the_exact_law(
+        compiled_pair: tuple[SpeculativeDecoder, SpeculativeDecoder]) -> None:
+    """Chi-square of 300 compiled two-token decodes against the brute-force target law."""
+    _, compiled = compiled_pair
+    lm = ToyLM(VOCAB, draft_branch=True, seed=5)
+    law = target_law(lm, [1, 2], 2, SamplingConfig(1.0))
+    generator = torch.Generator().manual_seed(99)
+    samples = Counter(tuple(compiled.generate([1, 2], 2, 1.0, generator=generator).tokens.tolist())
+                      for _ in range(300))
+    assert set(samples) <= set(law)
+    statistic = sum((samples.get(k, 0) - 300 * p) ** 2 / (300 * p) for k, p in law.items())
+    dof = torch.tensor((len(law) - 1) / 2, dtype=torch.float64)
+    p_value = float(torch.special.gammaincc(dof, torch.tensor(statistic / 2, dtype=torch.float64)))
+    assert p_value > 1e-3
