@@ -11,6 +11,7 @@ Layers of the library, from the bottom up:
 * :mod:`circuits.compiled`: folded torch modules and the exact queries.
 """
 
+from circuits import learn
 from circuits.compiled import CompiledCircuit, ParameterSpec, Semiring, compile
 from circuits.errors import (
     CircuitError,
@@ -42,12 +43,46 @@ from circuits.symbolic import (
 )
 
 __all__ = [
-    "Bernoulli", "Binomial", "Categorical", "Circuit", "CircuitError", "CompiledCircuit", "Exp",
-    "Gaussian", "InputDistribution", "InputLayer", "InvalidInputError", "InvalidParameterError",
-    "Layer", "Native", "ParameterProblem", "ParameterSpec",
-    "Parameterization", "ProductKind", "ProductLayer", "RegionGraphError", "Semiring",
-    "SerializationError", "Softmax", "StructureError", "SumLayer", "UnknownArchitectureError",
-    "ZeroProbabilityEvidenceError", "are_compatible", "check", "circuit_from_dict", "circuit_to_dict",
-    "compile", "integrate", "is_decomposable", "is_smooth", "is_structured_decomposable", "load_circuit",
-    "multiply", "save_circuit", "snapshot", "square",
+    "Bernoulli",
+    "Binomial",
+    "Categorical",
+    "Circuit",
+    "CircuitError",
+    "CompiledCircuit",
+    "Exp",
+    "Gaussian",
+    "InputDistribution",
+    "InputLayer",
+    "InvalidInputError",
+    "InvalidParameterError",
+    "Layer",
+    "Native",
+    "ParameterProblem",
+    "ParameterSpec",
+    "Parameterization",
+    "ProductKind",
+    "ProductLayer",
+    "RegionGraphError",
+    "Semiring",
+    "SerializationError",
+    "Softmax",
+    "StructureError",
+    "SumLayer",
+    "UnknownArchitectureError",
+    "ZeroProbabilityEvidenceError",
+    "are_compatible",
+    "check",
+    "circuit_from_dict",
+    "circuit_to_dict",
+    "compile",
+    "integrate",
+    "is_decomposable",
+    "is_smooth",
+    "is_structured_decomposable",
+    "learn",
+    "load_circuit",
+    "multiply",
+    "save_circuit",
+    "snapshot",
+    "square",
 ]

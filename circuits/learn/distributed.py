@@ -1,0 +1,108 @@
+"""Data-parallel learning under ``torchrun``: the process group, data shards and collectives.
+
+When ``torchrun`` launched the process (``RANK`` and ``WORLD_SIZE > 1`` in the environment),
+:func:`learning_context` initialises the default process group (``gloo`` on the CPU, ``nccl`` on
+CUDA); when a group is already initialised it joins it; otherwise it is a one-process context in
+which every collective is a no-op, so :func:`circuits.learn.fit` runs unchanged either way.
+
+Every rank draws the same shuffled order from an identically seeded generator and keeps its
+contiguous share of every batch (:meth:`LearningContext.shard`); EM statistics (expected counts)
+and gradients are summed over ranks before each step, so every rank takes the same step, the one
+a single process would take on the whole batch (up to the order of floating-point sums).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from circuits.errors import InvalidInputError
+
+
+@dataclass
+class LearningContext:
+    """This process's place in the job.
+
+    Attributes:
+        rank: global rank (0 alone).
+        world_size: number of processes (1 alone).
+        owns_group: whether this context initialised the process group (and destroys it).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    owns_group: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_writer(self) -> bool:
+        """Only rank 0 writes checkpoints and shows progress."""
+        return self.rank == 0
+
+    def shard(self, rows: Tensor) -> Tensor:
+        """This rank's contiguous share of ``rows`` (uneven shares differ by at most one row)."""
+        if not self.enabled:
+            return rows
+        return torch.tensor_split(rows, self.world_size)[self.rank]
+
+    def all_sum_(self, tensors: list[Tensor]) -> None:
+        """Sum every tensor over ranks, in place (one collective for all of them)."""
+        if not self.enabled or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for tensor in tensors:
+            size = tensor.numel()
+            tensor.copy_(flat[offset:offset + size].view_as(tensor))
+            offset += size
+
+    def gather_rows(self, tensor: Tensor) -> Tensor:
+        """Every rank's ``tensor`` (n_r, ...) concatenated in rank order (sizes may differ)."""
+        if not self.enabled:
+            return tensor
+        size = torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        largest = max(int(s) for s in sizes)
+        padded = tensor.new_zeros((largest, *tensor.shape[1:]))
+        padded[:tensor.shape[0]] = tensor
+        # gloo gathers no bool tensors: send bytes
+        wire = padded.to(torch.uint8) if padded.dtype == torch.bool else padded
+        parts = [torch.empty_like(wire) for _ in range(self.world_size)]
+        dist.all_gather(parts, wire.contiguous())
+        rows = torch.cat([part[:int(n)] for part, n in zip(parts, sizes, strict=True)])
+        return rows.to(torch.bool) if tensor.dtype == torch.bool else rows
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Destroy the process group if this context created it."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def learning_context(device: torch.device) -> LearningContext:
+    """The context of this process; initialises the process group from torchrun's environment."""
+    if dist.is_available() and dist.is_initialized():
+        return LearningContext(dist.get_rank(), dist.get_world_size(), owns_group=False)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        if not dist.is_available():
+            raise InvalidInputError("WORLD_SIZE > 1 but torch.distributed is not available in this "
+                                    "torch build; run a single process")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        return LearningContext(dist.get_rank(), dist.get_world_size(), owns_group=True)
+    return LearningContext()
+
+
+__all__ = ["LearningContext", "learning_context"]
