@@ -138,10 +138,14 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _wrap_model(model: object, lora_layers: int) -> Backbone:
-    """An HF causal LM -> HFBackbone; anything else that is not a Backbone is an error."""
+def _wrap_model(model: object, lora_layers: int, compile: bool, window: int = 1) -> Backbone:
+    """An HF causal LM -> HFBackbone (static cache and compiled forwards for blocks of 1 and
+    ``window`` tokens when ``compile``); a Backbone is used as it is (a compiled HFBackbone learns
+    the block length ``window``); anything else is an error."""
     problem = backbone_problem(model)
     if problem is None:
+        if window > 1 and getattr(model, "compiled", False) and hasattr(model, "add_compiled_length"):
+            model.add_compiled_length(window)  # type: ignore[attr-defined]
         return model  # type: ignore[return-value]
     try:
         from transformers import PreTrainedModel
@@ -149,7 +153,10 @@ def _wrap_model(model: object, lora_layers: int) -> Backbone:
         PreTrainedModel = ()  # type: ignore[assignment,misc]
     if isinstance(model, PreTrainedModel):
         from circuits_llm.backbone import HFBackbone
-        return HFBackbone(model, lora_layers=lora_layers)
+        if not compile:
+            return HFBackbone(model, lora_layers=lora_layers)
+        return HFBackbone(model, lora_layers=lora_layers, compile=True,
+                          compiled_lengths=sorted({1, window}))
     raise DecoderError(f"backbone must implement circuits_llm.protocols.Backbone or be a Hugging "
                        f"Face PreTrainedModel: {problem}")
 
@@ -162,10 +169,16 @@ class AutoregressiveDecoder:
 
     Args:
         backbone: a Backbone, or an HF causal LM (wrapped in ``HFBackbone`` without LoRA).
+        compile: an HF model is wrapped with a static KV cache and a compiled forward
+            (``HFBackbone(..., compile=True)``); a Backbone keeps its own setting.
     """
 
-    def __init__(self, backbone: Backbone | object) -> None:
-        self.backbone = _wrap_model(backbone, 0)
+    #: tokens a round may cache beyond the output so far (the speculative window adds n - 1)
+    lookahead = 0
+
+    def __init__(self, backbone: Backbone | object, *, compile: bool = False) -> None:
+        self.backbone = _wrap_model(backbone, 0, compile)
+        self.compile = bool(compile)
 
     @property
     def device(self) -> torch.device:
@@ -247,6 +260,13 @@ class AutoregressiveDecoder:
                 or max_new_tokens < 0:
             raise DecoderError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         eos = self._eos(eos_token_id)
+        capacity = getattr(self.backbone, "max_length", None)
+        needed = len(prompt) + max_new_tokens + self.lookahead
+        if isinstance(capacity, int) and needed > capacity:
+            raise DecoderError(
+                f"the backbone's cache holds {capacity} tokens but this call may need {needed} "
+                f"(prompt {len(prompt)} + max_new_tokens {max_new_tokens} + {self.lookahead} "
+                "drafted ahead): build the backbone with a larger max_cache_len, or generate less")
         with exclusive(decoder=self, backbone=self.backbone):
             return self._decode(prompt, max_new_tokens, config, generator, eos)
 
@@ -289,12 +309,17 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         lora_layers: only used when ``backbone`` is an HF model.
         policy: keep :attr:`CorrectionPolicy.EXACT`; the other value is a biased negative control.
         compile: run the round's draft and accept programs (:class:`~circuits_llm.round.RoundProgram`)
-            through ``torch.compile``: fixed shapes, no host synchronisation inside a round.
+            through ``torch.compile`` (fixed shapes, no host synchronisation inside a round) and,
+            when ``backbone`` is an HF model, wrap it with a static KV cache and compiled
+            forwards for blocks of 1 and ``window`` tokens. A Backbone passed in keeps its own
+            setting (build it with ``HFBackbone(model, compile=True)`` to compile both sides).
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
                  policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False) -> None:
-        self.backbone = _wrap_model(backbone, lora_layers)
+        window = getattr(head, "window", 1)
+        self.backbone = _wrap_model(backbone, lora_layers, compile,
+                                    window if isinstance(window, int) else 1)
         problem = draft_head_problem(head)
         if problem is not None:
             raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead: {problem}")
@@ -318,6 +343,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         self.head = head
         self.policy = policy
         self.compile = bool(compile)
+        self.lookahead = head.window - 1
         self._programs: dict[SamplingConfig, RoundProgram] = {}
 
     @property

@@ -186,14 +186,19 @@ def count_ops(fn: Callable[[], object], calls: int = 3) -> OpCount:
 
     Per-op dispatch, not arithmetic, sets the cost of a speculative round's small-tensor work, so
     benchmarks report ops beside milliseconds. Counted with a ``TorchDispatchMode``: the ops that
-    reach the ``aten`` dispatcher, which is what eager execution pays for (a compiled graph
-    dispatches fewer).
+    reach the ``aten`` dispatcher, which is what eager execution pays for. Compiled graphs run
+    under it too (an infrastructure mode) and show only their extern calls (a fused kernel
+    never reaches the dispatcher: :func:`count_kernels` counts those).
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counts: Counter[str] = Counter()
 
     class _Counter(TorchDispatchMode):
+        @classmethod
+        def is_infra_mode(cls) -> bool:  # lets compiled frames run (and be counted) under it
+            return True
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             counts[str(func.overloadpacket.__name__)] += 1
             return func(*args, **(kwargs or {}))

@@ -2,17 +2,21 @@
 
 :class:`HFBackbone` wraps any ``transformers`` causal LM (Llama-style, GPT-2-style, ...) as a
 :class:`~circuits_llm.protocols.Backbone`, with an optional LoRA draft branch on the last ``k``
-decoder layers.
+decoder layers, and an optional static KV cache with a compiled forward (``compile=True``).
 """
 
 from circuits_llm.backbone._adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterMismatchError
 from circuits_llm.backbone._arch import UnsupportedModelError
+from circuits_llm.backbone._static import DEFAULT_MAX_CACHE_LEN, CacheCapacityError, CacheKind
 from circuits_llm.backbone.hf import HFBackbone
 
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "DEFAULT_MAX_CACHE_LEN",
     "AdapterMismatchError",
+    "CacheCapacityError",
+    "CacheKind",
     "HFBackbone",
     "UnsupportedModelError",
 ]

@@ -10,15 +10,18 @@ from circuits.errors import InvalidInputError
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tensor:
-    """Check a (B, m) integer token tensor with ids in ``[0, vocab_size)``.
+def check_token_layout(tokens: object, name: str = "tokens") -> Tensor:
+    """Check that ``tokens`` is a non-empty (B, m) integer tensor, without reading its values.
+
+    Reading no values means no host synchronisation: the compiled backbone checks the id range
+    inside its graph instead.
 
     Returns:
         the tokens as an int64 tensor (B, m) on their original device.
 
     Raises:
         TypeError: if ``tokens`` is not a tensor.
-        InvalidInputError: wrong dtype, wrong number of dimensions, an empty dimension, or an id out of range.
+        InvalidInputError: wrong dtype, wrong number of dimensions, or an empty dimension.
     """
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (B, m), got {type(tokens).__name__}")
@@ -28,11 +31,25 @@ def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tenso
         raise InvalidInputError(f"{name} must have shape (B, m), got shape {tuple(tokens.shape)}")
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise InvalidInputError(f"{name} must be non-empty, got shape {tuple(tokens.shape)}")
+    return tokens.long()
+
+
+def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tensor:
+    """Check a (B, m) integer token tensor with ids in ``[0, vocab_size)`` (reads the ids on the host).
+
+    Returns:
+        the tokens as an int64 tensor (B, m) on their original device.
+
+    Raises:
+        TypeError: if ``tokens`` is not a tensor.
+        InvalidInputError: wrong dtype, wrong number of dimensions, an empty dimension, or an id out of range.
+    """
+    tokens = check_token_layout(tokens, name)
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise InvalidInputError(f"{name} contains id {bad}, outside the vocabulary [0, {vocab_size})")
-    return tokens.long()
+    return tokens
 
 
 def check_attention_mask(mask: object, shape: tuple[int, int]) -> Tensor:

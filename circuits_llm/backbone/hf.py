@@ -3,29 +3,32 @@
 Self-drafting (MTPC paper, Sec. 3.3-3.4 and App. D): the verifier is the frozen LM; the draft head
 reads either the verifier's final hidden state (``lora_layers=0``) or the output of a *draft
 branch* made of the last ``k`` decoder layers with LoRA adapters. The first ``N-k`` layers are
-shared and run once per call: forward pre-hooks on the last ``k`` verifier layers record the
-hidden state entering layer ``N-k`` and the exact arguments each of those layers receives
-(attention mask, position embeddings, position ids, ...). The draft copies of those layers are
-then called with the same arguments, their own KV cache substituted for the verifier's, and the
-result goes through the model's final norm.
+shared and run once per call: forward pre-hooks on the verifier's layers (``_capture.py``) record
+the hidden state entering layer ``N-k`` and the exact arguments each of the last ``k`` layers
+receives (attention mask, position embeddings, position ids, ...). The draft copies of those layers
+are then called with the same arguments, their own KV cache substituted for the verifier's, and
+the result goes through the model's final norm.
 
 The draft copies share the frozen base weights with the verifier (no extra weight memory); only
 the LoRA matrices (peft, ``lora_B`` initialised to zero) are new and trainable.
+
+Two caches (:class:`CacheKind`): ``transformers``' ``DynamicCache`` (cropped on rollback), or
+preallocated static caches rolled back by a length reset (``_static.py``), on which ``compile=True``
+runs the whole step (verifier forward and draft branch) as one compiled graph per block length.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import Tensor, nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
 from circuits.errors import InvalidInputError
 from circuits_llm.backbone._adapter_io import load_adapter_into, save_adapter_from
@@ -37,29 +40,35 @@ from circuits_llm.backbone._arch import (
     is_conv1d_target,
     lora_target_names,
 )
-from circuits_llm.backbone._validate import check_attention_mask, check_int, check_tokens
+from circuits_llm.backbone._capture import Capture, capture_hooks, draft_output, is_capture_hook
+from circuits_llm.backbone._static import CacheKind, StaticCaches, compile_step, resolve_cache_options
+from circuits_llm.backbone._validate import (
+    check_attention_mask,
+    check_int,
+    check_token_layout,
+    check_tokens,
+)
 from circuits_llm.models import config_fingerprint
 from circuits_llm.protocols import BackboneStep
 
-
-@dataclass
-class _Capture:
-    """What the hooks record during one verifier forward call.
-
-    Attributes:
-        layer_calls: ``(args, kwargs)`` received by each of the last ``k`` verifier layers, in order.
-        head_input: (B, m, d) tensor the LM head read (the final hidden state), once it ran.
-    """
-
-    layer_calls: list[tuple[tuple, dict]] = field(default_factory=list)
-    head_input: Tensor | None = None
+#: Message of the in-graph id check of the compiled backbone (found again in the error it raises).
+_TOKEN_RANGE_MESSAGE = "HFBackbone: a token id is outside the vocabulary"
 
 
 def _share_params_deepcopy(module: nn.Module) -> nn.Module:
-    """Deep-copy ``module`` but keep the very same parameter and buffer tensors (shared, not cloned)."""
+    """Deep-copy ``module`` but keep the very same parameter and buffer tensors (shared, not cloned).
+
+    The model's capture hooks (``_capture.py``) are not copied: they belong to the verifier's layers,
+    and on a copy they would record the draft branch's calls as the verifier's.
+    """
     memo: dict[int, object] = {id(t): t for t in module.parameters()}
     memo.update({id(t): t for t in module.buffers()})
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    for sub in copied.modules():
+        for key in [key for key, hook in sub._forward_pre_hooks.items() if is_capture_hook(hook)]:
+            del sub._forward_pre_hooks[key]
+            sub._forward_pre_hooks_with_kwargs.pop(key, None)
+    return copied
 
 
 class HFBackbone(nn.Module):
@@ -75,12 +84,36 @@ class HFBackbone(nn.Module):
         lora_dropout: dropout on the LoRA input, active only in training mode.
         lora_target_modules: names of the linear sub-modules of a decoder layer to adapt (``None``:
             every ``nn.Linear`` / GPT-2 ``Conv1D`` in the layer).
+        cache: the KV cache kept (:class:`CacheKind`; ``None``: ``STATIC`` when ``compile`` else
+            ``DYNAMIC``).
+        compile: run :meth:`extend` calls of the lengths in ``compiled_lengths`` as one compiled
+            graph (``torch.compile``, full graph, static shapes; CUDA graphs on CUDA), on the static
+            cache. Other lengths (a prompt's prefill), and the first call after the caches are
+            (re)allocated, run eagerly on the same cache: compiling every prompt length would cost
+            a compilation per length for a call made once per sequence.
+        max_cache_len: capacity of the static cache in tokens (``None``:
+            :func:`~circuits_llm.backbone._static.default_max_cache_len`); an extend past it raises
+            :class:`CacheCapacityError`.
+        compiled_lengths: the block lengths ``m`` that run compiled (``None``: ``(1,)``, the
+            autoregressive step; a speculative decoder adds its window with
+            :meth:`add_compiled_length`).
 
     Attributes:
         vocab_size: V, logits per position.
         hidden_size: d, width of ``draft_hidden``.
         num_layers: N, decoder layers of the model.
         lora_layers: k.
+        cache_kind: the :class:`CacheKind` in use.
+        compiled: whether ``compile=True``.
+        max_length: capacity of the caches in tokens (``None``: unbounded, the dynamic cache).
+
+    A compiled :meth:`extend` reads nothing back from the device (no ``.item()``, no branch on tensor
+    values): positions and the attention mask come from the caches' length tensors, and token ids
+    are range-checked inside the graph, so a bad id surfaces as :class:`InvalidInputError` after the
+    call ran (the caches are then emptied, as for any failed call). Each batch size and length is
+    one graph (and each training mode, where LoRA dropout is active); dynamo keeps
+    ``torch._dynamo.config.recompile_limit`` of them per backbone, and a call that would need more
+    raises (the graph is compiled whole, so dynamo never falls back to running it eagerly).
     """
 
     def __init__(
@@ -91,6 +124,11 @@ class HFBackbone(nn.Module):
         lora_alpha: float | None = None,
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | None = None,
+        *,
+        cache: CacheKind | None = None,
+        compile: bool = False,
+        max_cache_len: int | None = None,
+        compiled_lengths: Iterable[int] | None = None,
     ) -> None:
         super().__init__()
         parts = find_parts(model)
@@ -109,6 +147,8 @@ class HFBackbone(nn.Module):
         ):
             raise ValueError(f"lora_dropout must be a float in [0, 1), got {lora_dropout!r}")
         self.lora_dropout = float(lora_dropout)
+        self.cache_kind, capacity = resolve_cache_options(model, cache, compile, max_cache_len,
+                                                          compiled_lengths)
         self.vocab_size = parts.vocab_size
         self.hidden_size = parts.hidden_size
         self.model = model
@@ -131,6 +171,16 @@ class HFBackbone(nn.Module):
         self._draft_cache = DynamicCache()
         self._length = 0
         self._batch = 0
+        self._static: StaticCaches | None = None
+        self._hooks = capture_hooks(parts.layers, parts.lm_head)
+        self._compiled_step: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
+        self._compiled_lengths: tuple[int, ...] = ()
+        if self.cache_kind is CacheKind.STATIC:
+            self._static = StaticCaches(parts.num_layers, capacity)
+        if compile:
+            self._compiled_step = compile_step(self._checked_static_step, self.device)
+            for length in (1,) if compiled_lengths is None else compiled_lengths:
+                self.add_compiled_length(length)
 
     def _inject_lora(self, target_modules: list[str] | None) -> None:
         """Wrap the draft layers' linear sub-modules with peft LoRA adapters (``lora_B`` = 0)."""
@@ -171,29 +221,71 @@ class HFBackbone(nn.Module):
         return next(self._parts.lm_head.parameters()).device
 
     @property
-    def verifier_cache(self) -> DynamicCache:
-        """KV cache of the verifier (all N layers; read-only use: mutate only via extend/crop/reset)."""
-        return self._cache
+    def verifier_cache(self) -> Cache:
+        """KV cache of the verifier (all N layers; read-only use: mutate only via extend/crop/reset).
+
+        A static cache holds ``max_cache_len`` slots per layer; only the first :attr:`length` are valid.
+        """
+        return self._static.verifier if self._static is not None else self._cache
 
     @property
-    def draft_cache(self) -> DynamicCache:
+    def draft_cache(self) -> Cache:
         """KV cache of the draft branch (entries only at the last k layer indices; empty when k = 0)."""
-        return self._draft_cache
+        return self._static.draft if self._static is not None else self._draft_cache
 
     @property
     def length(self) -> int:
         """Number of tokens currently held in the caches."""
         return self._length
 
+    @property
+    def compiled(self) -> bool:
+        """Whether extends of :attr:`compiled_lengths` run as compiled graphs (``compile=True``)."""
+        return self._compiled_step is not None
+
+    @property
+    def compiled_lengths(self) -> tuple[int, ...]:
+        """The block lengths that run compiled, in increasing order (empty unless :attr:`compiled`)."""
+        return self._compiled_lengths
+
+    @property
+    def max_length(self) -> int | None:
+        """How many tokens the caches can hold (``None``: unbounded, the dynamic cache)."""
+        return self._static.max_cache_len if self._static is not None else None
+
+    def add_compiled_length(self, length: int) -> None:
+        """Run extends of ``length`` tokens compiled too (e.g. a speculative decoder's window).
+
+        The graph is built on the first such call (seconds to a minute on a CPU), not here.
+
+        Raises:
+            ValueError: if the backbone is not compiled, or ``length`` is not in ``[1, max_cache_len]``.
+            TypeError: if ``length`` is not an int.
+        """
+        if self._static is None or self._compiled_step is None:
+            raise ValueError("add_compiled_length needs a compiled backbone: HFBackbone(..., compile=True)")
+        check_int(length, "compiled length", 1, self._static.max_cache_len)
+        self._compiled_lengths = tuple(sorted({*self._compiled_lengths, length}))
+
     def reset(self) -> None:
-        """Empty every cache (start a new sequence)."""
-        self._cache = DynamicCache()
-        self._draft_cache = DynamicCache()
+        """Empty every cache (start a new sequence).
+
+        A static cache keeps its tensors (a length reset), so the next sequence of the same batch
+        size reuses the compiled graphs.
+        """
+        if self._static is not None:
+            self._static.set_length(0)
+        else:
+            self._cache = DynamicCache()
+            self._draft_cache = DynamicCache()
         self._length = 0
         self._batch = 0
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached positions in every cache (rollback).
+
+        On a static cache this sets the valid length (two small device ops, no host read); the
+        slots beyond it are masked out and overwritten by later extends.
 
         Raises:
             TypeError: if ``length`` is not an int.
@@ -205,10 +297,13 @@ class HFBackbone(nn.Module):
         if length == 0:
             self.reset()
             return
-        # transformers 5.x: Cache.crop takes minus the number of tokens to drop (a positive value raises).
-        removed = self._length - length
-        self._cache.crop(-removed)
-        self._draft_cache.crop(-removed)
+        if self._static is not None:
+            self._static.set_length(length)
+        else:
+            # transformers 5.x: Cache.crop takes minus the number of tokens to drop (a positive value raises).
+            removed = self._length - length
+            self._cache.crop(-removed)
+            self._draft_cache.crop(-removed)
         self._length = length
 
     def extend(self, tokens: Tensor) -> BackboneStep:
@@ -222,32 +317,43 @@ class HFBackbone(nn.Module):
             the backbone's current mode (call :meth:`eval` to disable LoRA dropout when decoding).
 
         Raises:
-            TypeError, InvalidInputError: bad ``tokens`` (the caches are left unchanged).
+            TypeError, InvalidInputError: bad ``tokens`` (the caches are left unchanged, except for an
+                id out of range in a compiled call: see the class docstring).
+            CacheCapacityError: a static cache cannot hold ``length + m`` tokens (caches unchanged).
             Exception: if the forward call itself fails, the caches are emptied (:meth:`reset`) and the
                 error is re-raised, since a partial update cannot be undone exactly.
         """
-        tokens = check_tokens(tokens, self.vocab_size)
+        use_graph = False
+        if self._compiled_step is not None:
+            tokens = check_token_layout(tokens)
+            use_graph = tokens.shape[1] in self._compiled_lengths
+        if not use_graph:
+            tokens = check_tokens(tokens, self.vocab_size)
         if self._length > 0 and tokens.shape[0] != self._batch:
             raise InvalidInputError(
                 f"tokens has batch size {tokens.shape[0]} but the caches hold batch size {self._batch}; "
                 "call reset() to start a new batch"
             )
+        if self._static is None:
+            return self._extend_dynamic(tokens)
+        return self._extend_static(tokens, use_graph)
+
+    def _extend_dynamic(self, tokens: Tensor) -> BackboneStep:
         start, m = self._length, tokens.shape[1]
         positions = torch.arange(start, start + m, device=self.device).unsqueeze(0)
         try:
             with torch.no_grad():
-                with self._capturing() as cap:
-                    out = self.model(
-                        input_ids=tokens.to(self.device),
-                        past_key_values=self._cache,
-                        position_ids=positions,
-                        use_cache=True,
-                    )
+                out, cap = self._recorded(
+                    input_ids=tokens.to(self.device),
+                    past_key_values=self._cache,
+                    position_ids=positions,
+                    use_cache=True,
+                )
                 if out.past_key_values is not self._cache:
                     raise UnsupportedModelError(
                         f"{type(self.model).__name__} did not update the DynamicCache it was given in place"
                     )
-                draft = self._draft_output(cap, self._cache, self._draft_cache)
+                draft = self._draft(cap, self._cache, self._draft_cache)
             if self._cache.get_seq_length() != start + m:
                 raise UnsupportedModelError(
                     f"the verifier cache holds {self._cache.get_seq_length()} tokens after extend, "
@@ -261,6 +367,59 @@ class HFBackbone(nn.Module):
         self._batch = tokens.shape[0]
         self._length = start + m
         return BackboneStep(verifier_logits=out.logits, draft_hidden=draft)
+
+    def _extend_static(self, tokens: Tensor, use_graph: bool) -> BackboneStep:
+        """Extend on the static caches: the compiled graph when ``use_graph`` and the caches exist,
+        else an eager call of the same step (which allocates the caches on a first call)."""
+        static = self._static
+        assert static is not None
+        batch, m = tokens.shape
+        start = self._length
+        static.check_capacity(start, m)
+        if start == 0:
+            static.prepare(batch)
+        use_graph = use_graph and static.allocated
+        tokens = tokens.to(self.device)
+        try:
+            # The caches are updated in place, so they must not become inference tensors when a
+            # caller runs under torch.inference_mode; one grad mode also means one set of graphs.
+            with torch.inference_mode(False), torch.no_grad():
+                if use_graph:
+                    assert self._compiled_step is not None
+                    if tokens.is_inference():  # made under inference_mode: would need graphs of its own
+                        tokens = tokens.clone()
+                    logits, draft = self._compiled_step(tokens.contiguous())
+                    if self.device.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
+                        logits, draft = logits.clone(), draft.clone()
+                else:
+                    logits, draft = self._static_step(tokens)
+        except BaseException as error:
+            # Some layers may have written their slots and advanced their length and others not.
+            static.discard()
+            self._length, self._batch = 0, 0
+            if use_graph and isinstance(error, RuntimeError) and _TOKEN_RANGE_MESSAGE in str(error):
+                raise InvalidInputError(
+                    f"tokens contains an id outside the vocabulary [0, {self.vocab_size}) (checked inside "
+                    "the compiled graph; the caches were emptied)"
+                ) from error
+            if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+                first_line = (str(error).strip().splitlines() or [""])[0]
+                raise UnsupportedModelError(
+                    f"{type(self.model).__name__} with lora_layers={self.lora_layers} cannot be compiled "
+                    f"as one graph (torch.compile, fullgraph=True, static shapes): {type(error).__name__}: "
+                    f"{first_line}. Pass compile=False (cache=CacheKind.STATIC runs the same step eagerly)"
+                ) from error
+            if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
+                raise RuntimeError(
+                    f"the compiled backbone needs a new graph for batch size {batch} and length {m}, but "
+                    f"it already has torch._dynamo.config.recompile_limit="
+                    f"{torch._dynamo.config.recompile_limit} graphs (one per batch size, compiled length "
+                    "and training mode): use fewer of them, or raise that limit"
+                ) from error
+            raise
+        self._batch = batch
+        self._length = start + m
+        return BackboneStep(verifier_logits=logits, draft_hidden=draft)
 
     # ------------------------------------------------------------------ training API
 
@@ -282,9 +441,9 @@ class HFBackbone(nn.Module):
         if attention_mask is not None:
             mask = check_attention_mask(attention_mask, tuple(input_ids.shape))
             kwargs["attention_mask"] = mask.to(self.device)
-        with torch.no_grad(), self._capturing() as cap:
-            out = self.model(input_ids=input_ids.to(self.device), use_cache=False, **kwargs)
-        draft = self._draft_output(cap, None, None)
+        with torch.no_grad():
+            out, cap = self._recorded(input_ids=input_ids.to(self.device), use_cache=False, **kwargs)
+        draft = self._draft(cap, None, None)
         return out.logits, draft
 
     def draft_parameters(self) -> list[nn.Parameter]:
@@ -336,78 +495,33 @@ class HFBackbone(nn.Module):
 
     # ------------------------------------------------------------------ internals
 
-    @contextmanager
-    def _capturing(self) -> Iterator[_Capture]:
-        """Record the last ``k`` layers' call arguments and the LM head input during one forward."""
-        cap = _Capture()
-
-        def layer_hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            cap.layer_calls.append((args, dict(kwargs)))
-
-        def head_hook(_module: nn.Module, args: tuple) -> None:
-            cap.head_input = args[0]
-
-        first_draft = self.num_layers - self.lora_layers
-        handles = [
-            layer.register_forward_pre_hook(layer_hook, with_kwargs=True)
-            for layer in self._parts.layers[first_draft:]
-        ]
-        handles.append(self._parts.lm_head.register_forward_pre_hook(head_hook))
+    def _recorded(self, **model_kwargs: object) -> tuple[Any, Capture]:
+        """``self.model(**model_kwargs)`` with its layer calls and LM head input recorded."""
+        cap = self._hooks.start()
         try:
-            yield cap
+            out = self.model(**model_kwargs)
         finally:
-            for handle in handles:
-                handle.remove()
+            self._hooks.stop()
+        return out, cap
 
-    def _draft_output(
-        self, cap: _Capture, verifier_cache: DynamicCache | None, draft_cache: DynamicCache | None
-    ) -> Tensor:
-        """(B, m, d) draft hidden state from a capture: the LM head input, or the LoRA branch output."""
-        if self.lora_layers == 0:
-            if cap.head_input is None:
-                raise UnsupportedModelError(
-                    f"the LM head {type(self._parts.lm_head).__name__} was not called by the model's forward"
-                )
-            return cap.head_input
-        if len(cap.layer_calls) != self.lora_layers:
-            raise UnsupportedModelError(
-                f"expected each of the last {self.lora_layers} decoder layers to be called once per forward, "
-                f"saw {len(cap.layer_calls)} calls"
-            )
-        first_args, first_kwargs = cap.layer_calls[0]
-        hidden = first_args[0] if first_args else first_kwargs["hidden_states"]
-        for layer, (args, kwargs) in zip(self.draft_layers, cap.layer_calls, strict=True):
-            args, kwargs = self._swap_cache(args, kwargs, verifier_cache, draft_cache)
-            if args:
-                args = (hidden, *args[1:])
-            else:
-                kwargs["hidden_states"] = hidden
-            out = layer(*args, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
-        assert self._parts.final_norm is not None  # checked in __init__
-        return self._parts.final_norm(hidden)
+    def _draft(self, cap: Capture, verifier_cache: Cache | None, draft_cache: Cache | None) -> Tensor:
+        """(B, m, d) draft hidden state of a recorded forward (see :func:`draft_output`)."""
+        return draft_output(cap, self.num_layers, self.draft_layers, self._parts.final_norm,
+                            self._parts.lm_head, verifier_cache, draft_cache)
 
-    @staticmethod
-    def _swap_cache(
-        args: tuple, kwargs: dict, verifier_cache: DynamicCache | None, draft_cache: DynamicCache | None
-    ) -> tuple[tuple, dict]:
-        """Replace the verifier cache object by the draft cache in a layer's call arguments."""
-        if verifier_cache is None:
-            return args, dict(kwargs)
-        found = False
+    def _static_step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """One forward of ``tokens`` (B, m) on the static caches -> (logits (B, m, V), draft (B, m, d)).
 
-        def swap(value: object) -> object:
-            nonlocal found
-            if value is verifier_cache:
-                found = True
-                return draft_cache
-            return value
+        Reads no tensor value on the host: traced whole by ``torch.compile``.
+        """
+        static = self._static
+        assert static is not None
+        positions = static.positions(tokens.shape[1], tokens.device)
+        out, cap = self._recorded(input_ids=tokens, past_key_values=static.verifier, position_ids=positions,
+                                  use_cache=True)
+        return out.logits, self._draft(cap, static.verifier, static.draft)
 
-        new_args = tuple(swap(a) for a in args)
-        new_kwargs = {key: swap(value) for key, value in kwargs.items()}
-        if not found:
-            raise UnsupportedModelError(
-                "the decoder layers did not receive the verifier DynamicCache as an argument, so the draft "
-                "branch cannot be given its own cache"
-            )
-        return new_args, new_kwargs
+    def _checked_static_step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`_static_step` after an id range check that stays on the device (the compiled step)."""
+        torch._assert_async(((tokens >= 0) & (tokens < self.vocab_size)).all(), _TOKEN_RANGE_MESSAGE)
+        return self._static_step(tokens)
