@@ -8,7 +8,9 @@ Layers of the library, from the bottom up:
 * :mod:`circuits.templates`: named architectures (FF, CP, HMM, BTree) by name or function;
 * :mod:`circuits.structure`: smoothness, decomposability, structured decomposability, compatibility;
 * :mod:`circuits.operations`: product of compatible circuits, symbolic integration;
-* :mod:`circuits.compiled`: folded torch modules and the exact queries.
+* :mod:`circuits.compiled`: folded torch modules and the exact queries;
+* :mod:`circuits.learn`: EM and the training loop ``fit``;
+* :mod:`circuits.plotting`: ``circuits.plot``, pictures of region graphs and circuits.
 """
 
 from circuits import learn
@@ -26,6 +28,7 @@ from circuits.errors import (
 )
 from circuits.operations import integrate, multiply, snapshot, square
 from circuits.parameterizations import Exp, Native, Parameterization, Softmax
+from circuits.plotting import plot
 from circuits.serialization import circuit_from_dict, circuit_to_dict, load_circuit, save_circuit
 from circuits.structure import are_compatible, check, is_decomposable, is_smooth, is_structured_decomposable
 from circuits.symbolic import (
@@ -82,6 +85,7 @@ __all__ = [
     "learn",
     "load_circuit",
     "multiply",
+    "plot",
     "save_circuit",
     "snapshot",
     "square",
