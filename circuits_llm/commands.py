@@ -1,6 +1,11 @@
 """The user-facing subcommands of ``circuits-llm``: ``demo``, ``bench`` and ``generate``.
 
 :func:`add_commands` registers them on the ``circuits-llm`` subparsers (:mod:`circuits_llm.cli`).
+``--model`` names the model the way :func:`circuits_llm.models.parse_model_reference` reads it
+(``embedded``, an HF directory, a GGUF file, a hub id in the local cache), and ``generate`` reads
+and writes text through that model's own tokenizer (:mod:`circuits_llm.tokens`; bytes for a byte
+model), applies the chat template with ``--chat`` and stops where ``model.generate`` would
+(:mod:`circuits_llm.stopping`: the model's EOS ids, ``--stop`` strings, ``--max-new-tokens``).
 Every input problem ends the command with one line ``circuits-llm <command>: error: ...`` on
 stderr and exit status 2 (argparse's convention), never a traceback. ``--device`` (default
 ``auto``: CUDA when available) decides where the model, the heads, the prompts and the sampling
@@ -22,7 +27,7 @@ import torch
 from circuits_llm.demo import ComparisonConfig, DemoError, run_comparison, training_config
 from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
 from circuits_llm.head_cache import default_cache_dir, find_cached_head
-from circuits_llm.models import EMBEDDED, ModelLoadError, load_byte_model
+from circuits_llm.models import EMBEDDED, ModelLoadError, load_model
 
 #: ``--head`` values that mean plain autoregressive decoding.
 AUTOREGRESSIVE_NAMES = ("ar", "none")
@@ -63,11 +68,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "bad input" (reported in one line) rather than a bug."""
     from circuits.errors import CircuitError
     from circuits_llm.checkpoint import CheckpointError
+    from circuits_llm.corpus import CorpusError
     from circuits_llm.heads import HeadConfigError
     from circuits_llm.report import ReportError
+    from circuits_llm.tokens import TokenizerError
     from circuits_llm.warping import DecoderError
     errors: list[type[BaseException]] = [DemoError, ModelLoadError, DecoderError, HeadConfigError,
-                                         ReportError, CircuitError, CheckpointError, DeviceError]
+                                         ReportError, CircuitError, CheckpointError, DeviceError,
+                                         TokenizerError, CorpusError]
     try:
         from circuits_llm import training
         errors += [value for value in vars(training).values()
@@ -92,8 +100,9 @@ def _guarded(command: str, body: Callable[[argparse.Namespace], int]
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=EMBEDDED,
-                        help="'embedded' (the packaged byte-level Llama) or a Hugging Face model "
-                             "directory (default: embedded)")
+                        help="'embedded' (the packaged byte-level Llama), a Hugging Face model "
+                             "directory, a .gguf file, or a hub id already in the local Hugging "
+                             "Face cache (nothing is downloaded; default: embedded)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help=f"trained-head cache (default: {default_cache_dir()})")
     parser.add_argument("--threads", type=_positive_int, default=1,
@@ -109,6 +118,9 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--out", type=Path, default=Path(out), help=f"output directory ({out})")
     parser.add_argument("--retrain", action="store_true", help="ignore cached heads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--compile", action="store_true",
+                        help="every decoder, the autoregressive baseline included, with a static "
+                             "KV cache, compiled forwards and compiled rounds (torch.compile)")
     tuning = parser.add_argument_group("overrides of the --quick / default settings")
     tuning.add_argument("--window", type=_positive_int)
     tuning.add_argument("--rank", type=_positive_int)
@@ -132,7 +144,7 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
              "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_bytes",
              "new_tokens", "temperature")
     changes: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    config = replace(base, seed=args.seed, **changes)
+    config = replace(base, seed=args.seed, compile=base.compile or args.compile, **changes)
     if config.window < 2:
         raise DemoError(f"--window must be >= 2 (one known token plus drafts), got {config.window}")
     if config.prompt_bytes < 2:
@@ -153,12 +165,13 @@ def _run_comparison(command: str, base: Callable[[bool], ComparisonConfig]
 
 
 # ---------------------------------------------------------------------------- generate
-def _decoder_for(head: str, loaded: Any, cache: Path) -> tuple[Any, str]:
-    """The decoder ``--head`` names, and a description of it."""
+def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False) -> tuple[Any, str]:
+    """The decoder ``--head`` names (compiled alike on both sides with ``compile``), and a
+    description of it."""
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
     if head.lower() in AUTOREGRESSIVE_NAMES:
-        return AutoregressiveDecoder(HFBackbone(loaded.model)), "autoregressive"
+        return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
     if head.lower() in TRAINED_NAMES:
         preferred = [training_config(ComparisonConfig.demo(quick), head.lower())
                      for quick in (False, True)]
@@ -173,25 +186,32 @@ def _decoder_for(head: str, loaded: Any, cache: Path) -> tuple[Any, str]:
             raise DemoError(f"--head {head}: expected one of {', '.join(TRAINED_NAMES)}, "
                             f"{', '.join(AUTOREGRESSIVE_NAMES)} or a trained head directory")
     from circuits_llm.training import load_trained_head
-    mtp_head, backbone = load_trained_head(run_dir, loaded.model)
-    return SpeculativeDecoder(backbone, mtp_head.eval()), f"speculative ({run_dir})"
+    mtp_head, backbone = load_trained_head(run_dir, loaded.model, compile=compile)
+    return SpeculativeDecoder(backbone, mtp_head.eval(), compile=compile), f"speculative ({run_dir})"
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from circuits_llm.data import SpecialToken, decode, encode
+    from circuits_llm.stopping import StopCondition, unescape_stop
     device = resolve_device(args.device)
-    loaded = load_byte_model(args.model, device)
-    decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir())
-    prompt = torch.cat([torch.tensor([int(SpecialToken.BOS)]), encode(args.prompt.encode())])
+    loaded = load_model(args.model, device)
+    tokenizer = loaded.tokenizer
+    prompt = tokenizer.encode_prompt(args.prompt, chat=args.chat, system=args.system)
+    stop = StopCondition.for_model(loaded.model, args.max_new_tokens,
+                                   [unescape_stop(s) for s in args.stop], tokenizer)
+    decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
+                                        args.compile)
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
-    result = decoder.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                              generator=generator)
+    result = decoder.generate(torch.tensor(prompt), stop.max_new_tokens, args.temperature,
+                              args.top_k, args.top_p, generator=generator,
+                              stop=stop)
     wall = time.perf_counter() - start
-    print(args.prompt + decode(result.tokens) if args.echo else decode(result.tokens))
+    tokens = result.tokens.tolist()
+    text = tokenizer.decode(tokens)
+    print(args.prompt + text if args.echo else text)
     s = result.summary
-    print(f"[{description} on {decoder.device}] {s.new_tokens} tokens in {wall:.2f} s "
-          f"({s.throughput:.1f} bytes/s decoding), {s.rounds} rounds, "
+    print(f"[{description} on {decoder.device}] {len(tokens)} tokens in {wall:.2f} s "
+          f"({s.throughput:.1f} tokens/s decoding), {s.rounds} rounds, "
           f"{s.tokens_per_round:.2f} tokens/round, acceptance {s.acceptance_rate:.1%}, "
           f"{s.mean_latency_s * 1e3:.2f} ms/round",
           file=sys.stderr)
@@ -209,12 +229,24 @@ def add_commands(sub: Any) -> None:
     bench.set_defaults(run=_guarded("bench", _run_comparison("bench", ComparisonConfig.bench)))
     gen = sub.add_parser("generate", help="continue a prompt with (speculative) decoding")
     _common(gen)
-    gen.add_argument("--prompt", required=True, help="text to continue (encoded as UTF-8 bytes)")
+    gen.add_argument("--prompt", required=True,
+                     help="text to continue, encoded with the model's tokenizer (UTF-8 bytes and "
+                          "BOS for a byte model)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the model's chat template (an "
+                          "instruct model's) and answer it")
+    gen.add_argument("--system", default=None, help="a system message (with --chat)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop after the token that completes TEXT (repeatable; backslash "
+                          "escapes such as \\n are decoded); the model's EOS ids always stop")
     gen.add_argument("--head", default="btree",
                      help="ff | btree (cached by `demo`) | ar (no head) | a trained head directory")
-    gen.add_argument("--max-new-tokens", type=_non_negative_int, default=128)
+    gen.add_argument("--max-new-tokens", type=_non_negative_int, default=128,
+                     help="the most tokens to generate (fewer at EOS or a --stop string)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    gen.add_argument("--compile", action="store_true",
+                     help="static KV cache, compiled forwards and a compiled round (torch.compile)")
     gen.set_defaults(run=_guarded("generate", _generate))

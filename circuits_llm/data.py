@@ -7,6 +7,10 @@ depend on file order or on which files exist.
 
 Token ids are bytes ``0..255`` plus a few special ids (:class:`SpecialToken`); a stream of files is
 packed as ``BOS file-bytes EOS BOS file-bytes EOS ...`` and cut into overlapping windows.
+
+This module is the byte level and the splits. Corpora in a model's own tokens (a subword model's,
+or the byte tokenizer's), tokenised once and memory-mapped from a disk cache, are
+:mod:`circuits_llm.corpus`'s; :func:`evaluation_prompts` takes such a tokenizer too.
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from circuits_llm.tokens import TextTokenizer
 
 
 class SpecialToken(IntEnum):
@@ -147,8 +155,18 @@ def batches(stream: Tensor, spec: WindowSpec, batch_size: int, generator: torch.
 
 
 def evaluation_prompts(count: int, prompt_bytes: int, root: Path | None = None,
-                       min_file_bytes: int = 512) -> list[Tensor]:
-    """Prefixes of held-out test files: ``count`` prompts of ``prompt_bytes`` tokens (BOS first)."""
+                       min_file_bytes: int = 512, tokenizer: TextTokenizer | None = None,
+                       ) -> list[Tensor]:
+    """Prefixes of held-out test files: ``count`` prompts of ``prompt_bytes`` tokens (BOS first).
+
+    With a ``tokenizer`` (:class:`~circuits_llm.tokens.TextTokenizer`) the prompts are in its
+    ids: the first ``prompt_bytes`` ids of each file's corpus record
+    (:func:`circuits_llm.corpus.evaluation_prompts`); the byte tokenizer gives exactly the
+    prompts of ``tokenizer=None``.
+    """
+    if tokenizer is not None:
+        from circuits_llm.corpus import evaluation_prompts as tokenized_prompts
+        return tokenized_prompts(tokenizer, count, prompt_bytes, root, min_file_bytes)
     prompts = []
     for path in corpus_files(Split.TEST, root):
         data = path.read_bytes()

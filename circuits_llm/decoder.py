@@ -54,6 +54,7 @@ from circuits_llm.protocols import (
     draft_head_problem,
 )
 from circuits_llm.round import RoundLaw, RoundOutcome, RoundProgram, round_law
+from circuits_llm.stopping import StopCondition
 from circuits_llm.warping import DecoderError, SamplingConfig, sample_token, target_probs
 
 __all__ = [
@@ -236,7 +237,8 @@ class AutoregressiveDecoder:
     def generate(self, input_ids: Tensor | Sequence[int], max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  generator: torch.Generator | None = None,
-                 eos_token_id: int | Sequence[int] | None = None) -> DecodeResult:
+                 eos_token_id: int | Sequence[int] | None = None,
+                 stop: StopCondition | None = None) -> DecodeResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
 
         Args:
@@ -246,6 +248,10 @@ class AutoregressiveDecoder:
             top_k, top_p: HF's top-k / nucleus filters (None = off).
             generator: the randomness source (on the decoding device).
             eos_token_id: stop after emitting (one of) these ids.
+            stop: stop strings (and their tokenizer) as ``model.generate(stop_strings=...)``
+                matches them: decoding ends after the token that completes one, kept, exactly
+                where ``generate`` ends (:class:`~circuits_llm.stopping.StopCondition`; its own
+                ``max_new_tokens`` and EOS ids are added to the arguments' limits).
 
         Returns:
             :class:`DecodeResult`; ``tokens`` (T,) holds the new tokens only.
@@ -260,6 +266,13 @@ class AutoregressiveDecoder:
                 or max_new_tokens < 0:
             raise DecoderError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         eos = self._eos(eos_token_id)
+        if stop is not None and not isinstance(stop, StopCondition):
+            raise DecoderError(f"stop must be a circuits_llm.stopping.StopCondition, got "
+                               f"{type(stop).__name__}")
+        condition = StopCondition(
+            max_new_tokens if stop is None else min(max_new_tokens, stop.max_new_tokens),
+            tuple(sorted(eos)) + (() if stop is None else stop.eos_token_ids),
+            () if stop is None else stop.stop_strings, criteria=() if stop is None else stop.criteria)
         capacity = getattr(self.backbone, "max_length", None)
         needed = len(prompt) + max_new_tokens + self.lookahead
         if isinstance(capacity, int) and needed > capacity:
@@ -268,10 +281,10 @@ class AutoregressiveDecoder:
                 f"(prompt {len(prompt)} + max_new_tokens {max_new_tokens} + {self.lookahead} "
                 "drafted ahead): build the backbone with a larger max_cache_len, or generate less")
         with exclusive(decoder=self, backbone=self.backbone):
-            return self._decode(prompt, max_new_tokens, config, generator, eos)
+            return self._decode(prompt, condition, config, generator)
 
-    def _decode(self, prompt: list[int], max_new_tokens: int, config: SamplingConfig,
-                generator: torch.Generator | None, eos: set[int]) -> DecodeResult:
+    def _decode(self, prompt: list[int], stop: StopCondition, config: SamplingConfig,
+                generator: torch.Generator | None) -> DecodeResult:
         """The body of :meth:`generate` on checked arguments (run under :func:`exclusive`)."""
         backbone = self.backbone
         backbone.reset()
@@ -283,7 +296,9 @@ class AutoregressiveDecoder:
             hidden = step.draft_hidden[:, -1]
             prefill_s, prefill_calls = _now(self.device) - start, 1
         c, output, rounds = prompt[-1], [], []
-        while len(output) < max_new_tokens and not eos.intersection(output):
+        scanner = stop.scanner(prompt)
+        keep = scanner.keep(output)
+        while keep is None:
             base = backbone.length
             move, step, stats = self._round(c, hidden, config, generator)
             backbone.crop(base + move.keep)
@@ -291,9 +306,9 @@ class AutoregressiveDecoder:
             c = move.next_token
             output.extend(move.emitted)
             rounds.append(stats)
-        stops = [i for i, t in enumerate(output) if t in eos]
-        output = output[: min([max_new_tokens, *(i + 1 for i in stops)])]
-        if max_new_tokens > 0:
+            keep = scanner.keep(output)
+        output = output[:keep]
+        if output:
             backbone.crop(len(prompt) + len(output) - 1)
         tokens = torch.tensor(output, dtype=torch.long)
         return DecodeResult(tokens, rounds, summarize(rounds, len(output), prefill_calls, prefill_s))

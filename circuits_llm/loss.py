@@ -21,9 +21,20 @@ sequence has more than ``j`` tokens), and the loss is ``L = sum_j gamma^(j-1) L_
 
 Efficiency: all prefix marginals of all windows come from ONE differentiable bottom-up pass,
 :meth:`circuits.compiled.CompiledCircuit.log_prefix_marginals`, in which the ``n`` prefixes of a
-window share that window's parameters: input folds are normalised once per window and every sum
-fold is one batched matmul of ``(n, D)`` prefix values against the window's ``(D, K)`` weights.
-Nothing of size ``V`` (vocabulary) is copied ``n`` times.
+window share that window's parameters: every sum fold is one batched matmul of ``(n, D)`` prefix
+values against the window's ``(D, K)`` weights. The pass reads each input unit only at its
+variable's target, so a head that offers ``observed_log_parameters`` (:class:`MTPHead`) gives
+just those log-probabilities, computed in tiles of ``chunk_rows`` (position, unit) pairs: memory
+``O(chunk_rows x V)`` for the logits, never ``O(positions x units x V)``, with exact gradients
+(:mod:`circuits_llm.heads.chunked`). ``materialise=True`` (and any other head) takes the
+reference path: the head's full ``(N, F, K, V)`` input logits, normalised by the circuit.
+
+Compressed draft vocabularies (a head with ``draft_tokens``, K model ids): the circuit's
+categories are draft-vocabulary indices, so targets are mapped through them, and a target
+``(t, j)`` is valid only when ``x_{t+1} .. x_{t+j}`` all lie inside the draft vocabulary (the
+head can neither score nor condition on other ids). The head thus learns the LM's law
+conditioned on the draft vocabulary, the best a draft restricted to it can propose; the decoder
+gives ``q = 0`` to the other ids and the verifier's residual covers them.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import torch
 from torch import Tensor
 
 from circuits.errors import InvalidInputError
+from circuits_llm.heads.vocab import draft_positions
 from circuits_llm.protocols import DraftHead
 
 __all__ = [
@@ -57,8 +69,9 @@ class MTPLossOutput:
         loss: scalar, ``sum_j gamma^(j-1) L_j`` (differentiable; minimise it).
         nll: (n,) detached, ``L_j`` of Eq. 4 in nats (0 where no sequence has a valid target).
         nll_sum: (n,) detached, the summed NLL of all valid targets of slot ``j`` (nats).
-        count: (n,) long, the number of valid targets of slot ``j``. ``nll_sum / count`` pooled
-            over validation batches is the token-weighted NLL per slot.
+        count: (n,) long, the number of valid targets of slot ``j`` (inside the draft vocabulary
+            of a compressed head). ``nll_sum / count`` pooled over validation batches is the
+            token-weighted NLL per slot.
         weights: (n,) the discounts ``gamma^(j-1)`` used.
     """
 
@@ -134,38 +147,65 @@ def window_targets(tokens: Tensor, window: int, mask: Tensor | None = None,
 
 
 # --------------------------------------------------------------------------- loss
-def window_log_conditionals(head: DraftHead, hidden: Tensor, tokens: Tensor,
-                            mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Exact ``log q_t(x_{t+j} | x_{t+1..t+j-1})`` for every position and slot.
-
-    Args:
-        head: the draft head (its circuit is evaluated with ``head(e_t)``).
-        hidden: (B, T, d) hidden states ``e_t``.
-        tokens: (B, T) token ids.
-        mask: (B, T) 0/1, 1 for real tokens (None: no padding).
-
-    Returns:
-        ``(log_cond (B, T, n), valid (B, T, n) bool)``; invalid entries of ``log_cond`` are 0.
-        Only positions with at least one valid target run through the head.
-    """
+def _log_conditionals(head: DraftHead, hidden: Tensor, tokens: Tensor, mask: Tensor | None,
+                      chunk_rows: int | None, materialise: bool) -> tuple[Tensor, Tensor, bool]:
+    """:func:`window_log_conditionals` and whether any target was valid before the draft
+    vocabulary's restriction (a batch of real tokens whose targets all fall outside it is not an
+    input error: its loss is 0)."""
     mask = _check_inputs(head, hidden, tokens, mask)
     targets, valid = window_targets(tokens, head.window, mask)
     batch, length, window = targets.shape
     starts = valid[..., 0].reshape(-1).nonzero().squeeze(1)  # windows with a valid first slot
+    any_real = starts.numel() > 0
+    draft = getattr(head, "draft_tokens", None)
+    if draft is not None:  # model ids -> draft indices; a prefix outside the draft vocabulary ends
+        index = draft_positions(draft.to(targets.device), head.vocab_size)[targets]
+        valid = valid & (index >= 0).cumprod(-1).bool()
+        targets = index.clamp_min(0)
     flat_hidden = hidden.reshape(batch * length, -1).index_select(0, starts.to(hidden.device))
-    params = head(flat_hidden)
     device = head.circuit.device
     x = targets.reshape(-1, window).index_select(0, starts).to(device)
-    marginals = head.circuit.log_prefix_marginals(x, params=params)  # (N, n), prefixes share
+    observed = getattr(head, "observed_log_parameters", None)
+    if observed is not None and not materialise:
+        prepared = observed(flat_hidden, x, chunk_rows)  # each input unit at its target only
+        marginals = head.circuit.log_prefix_marginals(torch.zeros_like(x), params=prepared)
+    else:
+        params = head(flat_hidden)
+        marginals = head.circuit.log_prefix_marginals(x, params=params)  # (N, n), prefixes share
     cond = torch.cat([marginals[:, :1], marginals[:, 1:] - marginals[:, :-1]], dim=1)
     keep = valid.reshape(-1, window).index_select(0, starts).to(device)
     cond = torch.where(keep, cond, cond.new_zeros(()))
     full = cond.new_zeros(batch * length, window).index_copy(0, starts.to(device), cond)
-    return full.view(batch, length, window), valid.to(device)
+    return full.view(batch, length, window), valid.to(device), any_real
+
+
+def window_log_conditionals(head: DraftHead, hidden: Tensor, tokens: Tensor,
+                            mask: Tensor | None = None, *, chunk_rows: int | None = None,
+                            materialise: bool = False) -> tuple[Tensor, Tensor]:
+    """Exact ``log q_t(x_{t+j} | x_{t+1..t+j-1})`` for every position and slot.
+
+    Args:
+        head: the draft head (its circuit is evaluated with ``head(e_t)``, or with
+            ``head.observed_log_parameters`` when it has that method).
+        hidden: (B, T, d) hidden states ``e_t``.
+        tokens: (B, T) token ids (model ids, also for a compressed head).
+        mask: (B, T) 0/1, 1 for real tokens (None: no padding).
+        chunk_rows: (position, input unit) pairs whose logits are held at once (None: about
+            16M logits; see :mod:`circuits_llm.heads.chunked`).
+        materialise: take the reference path through ``head(e_t)`` (full input logits).
+
+    Returns:
+        ``(log_cond (B, T, n), valid (B, T, n) bool)``; invalid entries of ``log_cond`` are 0.
+        Only positions with at least one valid target (ignoring the draft vocabulary) run
+        through the head.
+    """
+    full, valid, _ = _log_conditionals(head, hidden, tokens, mask, chunk_rows, materialise)
+    return full, valid
 
 
 def mtp_loss(head: DraftHead, hidden: Tensor, tokens: Tensor, mask: Tensor | None = None,
-             gamma: float | None = None) -> MTPLossOutput:
+             gamma: float | None = None, *, chunk_rows: int | None = None,
+             materialise: bool = False) -> MTPLossOutput:
     """The discounted MTP loss of Eq. 4 and the per-slot NLLs (see the module docstring).
 
     Args:
@@ -174,6 +214,7 @@ def mtp_loss(head: DraftHead, hidden: Tensor, tokens: Tensor, mask: Tensor | Non
         tokens: (B, T) the same sequences' token ids.
         mask: (B, T) 0/1 attention mask, 1 for real tokens (right or any padding).
         gamma: discount in ``(0, 1]`` (None: :func:`default_gamma` of the head's window).
+        chunk_rows, materialise: see :func:`window_log_conditionals`.
 
     Returns:
         :class:`MTPLossOutput`.
@@ -186,8 +227,9 @@ def mtp_loss(head: DraftHead, hidden: Tensor, tokens: Tensor, mask: Tensor | Non
         gamma = default_gamma(head.window)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
         raise InvalidInputError(f"gamma must be a number in (0, 1], got {gamma!r}")
-    log_cond, valid = window_log_conditionals(head, hidden, tokens, mask)
-    if not bool(valid.any()):
+    log_cond, valid, any_real = _log_conditionals(head, hidden, tokens, mask, chunk_rows,
+                                                  materialise)
+    if not any_real:
         raise InvalidInputError("no valid target in the batch: every sequence needs at least two "
                                 "real tokens")
     nll = -log_cond.sum(1)  # (B, n), summed over positions

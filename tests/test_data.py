@@ -91,3 +91,21 @@ def test_evaluation_prompts_come_from_held_out_files() -> None:
     for prompt in prompts:
         assert prompt.numel() == 48 and int(prompt[0]) == SpecialToken.BOS
         assert bytes(prompt[1:].tolist()) in heads
+
+
+def test_evaluation_prompts_in_a_tokenizers_ids() -> None:
+    """The byte tokenizer gives the byte prompts; a subword tokenizer gives record prefixes."""
+    from test_tokens import tiny_tokenizer
+
+    from circuits_llm.tokens import TextTokenizer
+    assert [p.tolist() for p in evaluation_prompts(3, 48, tokenizer=TextTokenizer.byte_level())] \
+        == [p.tolist() for p in evaluation_prompts(3, 48)]
+    subword = TextTokenizer.wrap(tiny_tokenizer(), "tiny")
+    prompts = [p.tolist() for p in evaluation_prompts(2, 20, tokenizer=subword)]
+    heads = []
+    for path in corpus_files(Split.TEST):  # the prompts are the first long files' record heads
+        if len(path.read_bytes()) >= 512:
+            heads.append(subword.documents([path.read_bytes()])[0][:20].tolist())
+        if len(heads) == 2:
+            break
+    assert prompts == heads

@@ -91,9 +91,11 @@ def test_hosted_generate_rejects_what_changes_the_law() -> None:
     from circuits_llm.heads import MTPHead
     decoder = SpeculativeDecoder(model, MTPHead.from_name("ff", 2, 1, 8, 16))
     prompt = torch.tensor([[1, 2, 3]])
-    with pytest.raises(DecoderError, match="RepetitionPenaltyLogitsProcessor"):
+    # classifier-free guidance runs a second, unconditional model call per step: its state is not
+    # the prefix alone (repetition penalty is accepted: it depends on the prefix only)
+    with pytest.raises(DecoderError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor"):
         model.generate(prompt, custom_generate=speculative_generate, decoder=decoder,
-                       repetition_penalty=1.3, max_new_tokens=3, pad_token_id=0)
+                       guidance_scale=1.5, max_new_tokens=3, pad_token_id=0)
     with pytest.raises(DecoderError, match="pass decoder="):
         model.generate(prompt, custom_generate=speculative_generate, max_new_tokens=3,
                        pad_token_id=0)

@@ -116,3 +116,32 @@ def test_greedy_equals_autoregressive_on_toy(architecture: str, rank: int,
         expected = baseline.generate(prompt, 15).tokens.tolist()
         assert decoder.generate(prompt, 15).tokens.tolist() == expected
         assert lm.tokens == [*prompt, *expected][:-1]
+
+
+@pytest.mark.parametrize(("architecture", "variant"), [("btree", "lean"), ("cp", "full")])
+def test_compiled_greedy_equals_hf_generate(architecture: str, variant: str) -> None:
+    """``compile=True`` on both sides (static cache + compiled forwards, compiled round) keeps
+    greedy output token-identical to ``model.generate``; after an in-place update of the head
+    (an optimiser step), the compiled round reads the new parameters, not stale cached maps."""
+    model = MODELS["gpt2"]  # float64 GPT-2: compiled and eager forwards agree on every argmax
+    head = MTPHead.from_name(architecture, 4, 2, HIDDEN, VOCAB, variant=variant,
+                             lm_head_weight=model.get_output_embeddings().weight.detach(),
+                             dtype=torch.float64, sum_init_std=0.5)
+    eager = SpeculativeDecoder(HFBackbone(model), head)
+    decoder = SpeculativeDecoder(model, head, compile=True)
+    assert decoder.backbone.compiled and decoder.backbone.compiled_lengths == (1, 4)
+    prompts = [torch.tensor([[5, 9, 5, 9, 3]]), torch.tensor([[7]])]
+    for prompt in prompts:  # the eager decoder fills the head's caches first
+        want = eager.generate(prompt, 14, eos_token_id=EOS).tokens.tolist()
+        assert decoder.generate(prompt, 14, eos_token_id=EOS).tokens.tolist() == want == \
+            _reference(model, prompt, 14)
+    with torch.no_grad():  # an optimiser-like in-place step: cached derived tensors go stale
+        for parameter in head.parameters():
+            parameter.add_(0.2 * torch.randn_like(parameter))
+    for prompt in prompts:  # the compiled decoder first: nothing eager refreshes the caches
+        got = decoder.generate(prompt, 14, eos_token_id=EOS)
+        want = eager.generate(prompt, 14, eos_token_id=EOS)
+        assert got.tokens.tolist() == want.tokens.tolist() == _reference(model, prompt, 14)
+        assert got.summary.accepted == want.summary.accepted  # the same drafts were proposed
+    baseline = AutoregressiveDecoder(model, compile=True)
+    assert baseline.generate(prompts[0], 14).tokens.tolist() == _reference(model, prompts[0], 14)

@@ -260,7 +260,7 @@ def test_heads_that_do_not_fit_the_model_are_clear_errors(tmp_path: Path, corpus
     torch.manual_seed(0)
     small = LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4))
-    with pytest.raises(TrainingConfigError, match="vocabulary has only 200"):
+    with pytest.raises(TrainingConfigError, match=r"vocabulary 200\) is not byte-level"):
         train(tmp_path / "c", corpus, config(), small)
     with pytest.raises(TrainingConfigError, match="lora_layers"):
         train(tmp_path / "d", corpus, config(lora_layers=5))

@@ -6,15 +6,23 @@ templates ``ff``, ``cp``, ``hmm``, ``btree`` or a kind added with :func:`registe
 two variants (:class:`HeadVariant`): FULL (per-unit unembeddings, the MTPC paper's) and LEAN
 (the frozen LM head on per-unit low-rank transforms). Save/load: :func:`save_head`,
 :func:`load_head` (:mod:`circuits_llm.heads.io`).
+
+A head may draft over a compressed vocabulary, the ``K`` most frequent tokens of its data
+(``MTPHead(..., draft_vocab=frequent_tokens(counts, K))``, :mod:`circuits_llm.heads.vocab`); its
+training loss reads the input units in tiles (:mod:`circuits_llm.heads.chunked`); default sizes
+keep a head within 5% of its backbone (:mod:`circuits_llm.heads.sizing`).
 """
 
 from circuits_llm.heads.config import FORMAT_VERSION, HeadConfig, HeadConfigError, HeadVariant
 from circuits_llm.heads.head import MTPHead, check_head_circuit, parameter_count
 from circuits_llm.heads.io import load_head, save_head
 from circuits_llm.heads.kinds import HeadKind, head_kind, head_kind_names, register_head_kind
+from circuits_llm.heads.sizing import HeadBudgetWarning, HeadSize, fit_head_size
+from circuits_llm.heads.vocab import TokenCounts, frequent_tokens, token_counts
 
 __all__ = [
-    "FORMAT_VERSION", "HeadConfig", "HeadConfigError", "HeadKind", "HeadVariant", "MTPHead",
-    "check_head_circuit", "head_kind", "head_kind_names", "load_head", "parameter_count",
-    "register_head_kind", "save_head",
+    "FORMAT_VERSION", "HeadBudgetWarning", "HeadConfig", "HeadConfigError", "HeadKind", "HeadSize",
+    "HeadVariant", "MTPHead", "TokenCounts", "check_head_circuit", "fit_head_size",
+    "frequent_tokens", "head_kind", "head_kind_names", "load_head", "parameter_count",
+    "register_head_kind", "save_head", "token_counts",
 ]

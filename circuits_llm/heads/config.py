@@ -11,8 +11,11 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
-#: Bumped whenever the meaning of ``head_config.json`` or the tensor names change.
-FORMAT_VERSION = 1
+#: Bumped whenever the meaning of ``head_config.json`` or the tensor names change. Version 2
+#: added the draft vocabulary and the model fingerprint; version 1 files (neither) still load.
+FORMAT_VERSION = 2
+#: Every version this library reads.
+READABLE_VERSIONS = (1, 2)
 
 
 class HeadVariant(Enum):
@@ -63,6 +66,11 @@ class HeadConfig:
         identity_init: whether square sum layers were initialised near identity.
         identity_bias: the diagonal bias used for that initialisation.
         dtype: parameter dtype name, ``"float32"`` or ``"float64"``.
+        draft_vocab_size: ``K`` of a compressed draft vocabulary (the circuit's categories; the
+            ids are the tensor ``draft_tokens``), or None (the whole vocabulary).
+        draft_tokens_sha256: SHA-256 of the draft ids (int64 little-endian), checked on load.
+        model_fingerprint: the backbone's ``circuits_llm.models.config_fingerprint`` the head
+            was built for, or None when unknown; a load for another model is refused.
         tensors_sha256: SHA-256 of ``head.safetensors`` as written with this config.
         format_version: :data:`FORMAT_VERSION` of the writer.
     """
@@ -79,6 +87,9 @@ class HeadConfig:
     identity_init: bool = False
     identity_bias: float = 8.0
     dtype: str = "float32"
+    draft_vocab_size: int | None = None
+    draft_tokens_sha256: str | None = None
+    model_fingerprint: str | None = None
     tensors_sha256: str | None = None
     format_version: int = FORMAT_VERSION
 
@@ -95,10 +106,10 @@ class HeadConfig:
         if not isinstance(raw, dict):
             raise HeadConfigError(f"{source} must hold a JSON object, got {type(raw).__name__}")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise HeadConfigError(
-                f"{source} has format_version {version!r}; this library reads version "
-                f"{FORMAT_VERSION}")
+                f"{source} has format_version {version!r}; this library reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         missing = sorted(f.name for f in fields(cls) if f.name in
@@ -107,8 +118,21 @@ class HeadConfig:
             raise HeadConfigError(
                 f"{source} does not describe a head: missing keys {missing}, unknown keys {unknown}")
         for name in ("window", "hidden_size", "vocab_size", "lean_rank"):
-            if name in raw and (not isinstance(raw[name], int) or raw[name] < 1):
+            if name in raw and (not isinstance(raw[name], int) or isinstance(raw[name], bool)
+                                or raw[name] < 1):
                 raise HeadConfigError(f"{source}: {name} must be an int >= 1, got {raw[name]!r}")
+        draft = raw.get("draft_vocab_size")
+        if draft is not None and (not isinstance(draft, int) or isinstance(draft, bool)
+                                  or not 1 <= draft <= raw["vocab_size"]):
+            raise HeadConfigError(f"{source}: draft_vocab_size must be null or an int in "
+                                  f"1..vocab_size, got {draft!r}")
+        if (draft is None) != (raw.get("draft_tokens_sha256") is None):
+            raise HeadConfigError(f"{source}: draft_vocab_size and draft_tokens_sha256 must be "
+                                  "given together")
+        for name in ("draft_tokens_sha256", "model_fingerprint", "tensors_sha256"):
+            if raw.get(name) is not None and not isinstance(raw[name], str):
+                raise HeadConfigError(f"{source}: {name} must be null or a string, got "
+                                      f"{raw[name]!r}")
         for name in ("input_bias", "identity_init"):
             if name in raw and not isinstance(raw[name], bool):
                 raise HeadConfigError(f"{source}: {name} must be true or false, got {raw[name]!r}")

@@ -2,33 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
-from circuits.compiled import CompiledCircuit, compile
+from circuits.compiled import CompiledCircuit, LogParameters, compile
 from circuits.compiled.folding import FoldKind
+from circuits.compiled.layers import FoldedInput
 from circuits.errors import InvalidInputError, StructureError
-from circuits.symbolic import Circuit, InputLayer, Layer, ProductLayer, SumLayer
+from circuits.symbolic import Categorical, Circuit, InputLayer, Layer, ProductLayer, SumLayer
 from circuits.templates import Architecture
 from circuits_llm.heads.config import HeadConfigError, HeadVariant, parse_variant
 from circuits_llm.heads.kinds import head_kind
 from circuits_llm.heads.projections import FoldShape, FullInputs, LeanInputs, SumProjection
+from circuits_llm.heads.vocab import check_draft_tokens
 
 
-def check_head_circuit(circuit: Circuit, vocab_size: int) -> int:
+def check_head_circuit(circuit: Circuit, vocab_size: int, *, compressed: bool = False) -> int:
     """Check that ``circuit`` can be a head's circuit and return its window ``n``.
 
-    A head's circuit has variables exactly ``0 .. n-1``, each ``Categorical(vocab_size)``, no
+    A head's circuit has variables exactly ``0 .. n-1``, each ``Categorical(vocab_size)`` (the
+    head's categories: the vocabulary, or the draft vocabulary when ``compressed``), no
     integrated (summed-out) input layers, and only normalised (softmax) parameterisations, so that
     it is a distribution for any raw parameters the head emits. Smoothness, decomposability and a
     single output unit are checked by :func:`circuits.compile`.
     """
     if not isinstance(circuit, Circuit):
         raise StructureError(f"a head needs a circuits.Circuit, got {type(circuit).__name__}")
+    families = sorted({layer.distribution.describe() for layer in circuit.input_layers
+                       if not isinstance(layer.distribution, Categorical)})
+    if families:
+        raise StructureError(
+            f"every input layer of a head's circuit must be Categorical (tokens are categories); "
+            f"this circuit has {', '.join(families)} inputs: build it with "
+            f"input_distribution=Categorical")
     wrong = {v: c for v, c in circuit.num_categories.items() if c != vocab_size}
     if wrong:
+        what = "draft vocabulary" if compressed else "vocabulary"
         raise StructureError(
-            f"every variable of a head's circuit must be Categorical({vocab_size}) (the vocabulary "
+            f"every variable of a head's circuit must be Categorical({vocab_size}) (the {what} "
             f"size); variables {sorted(wrong)} have {sorted(set(wrong.values()))} categories")
     integrated = [layer.describe() for layer in circuit.input_layers if layer.integrated]
     if integrated:
@@ -78,7 +91,8 @@ def parameter_count(variant: HeadVariant, input_units: int, sum_weights: int, hi
     """Number of trainable parameters of a head (the frozen LEAN LM head is not counted).
 
     With ``N`` = input units (``sum F*K`` over input folds: ``n`` for FF, ``n r`` for CP / HMM /
-    BTree), ``S`` = sum weights (``sum F*K*D`` over sum folds), ``d`` = hidden size, ``V`` = vocab:
+    BTree), ``S`` = sum weights (``sum F*K*D`` over sum folds), ``d`` = hidden size, ``V`` = the
+    categories of every variable (the vocabulary, or ``K`` for a compressed draft vocabulary):
 
     * FULL: ``N V d + N V [input_bias] + S (d + 1)``;
     * LEAN: ``2 N d rho + N V [input_bias] + S (d + 1)``.
@@ -105,6 +119,9 @@ class MTPHead(nn.Module):
 
     The circuit's softmax parameterisation normalises them, so
     ``head.circuit.log_likelihood(x, params=head(hidden))`` is a normalised log-probability.
+    Training reads the input units only at the observed tokens:
+    :meth:`observed_log_parameters` gives those log-probabilities without the ``(B, F, K, V)``
+    logits (in tiles, exact gradients), which is what :func:`circuits_llm.loss.mtp_loss` uses.
 
     Parameter count (:meth:`num_parameters`, :func:`parameter_count`), with ``N`` input units,
     ``S`` sum weights: FULL ``N V d + N V + S (d + 1)``; LEAN ``2 N d rho + N V + S (d + 1)``
@@ -113,14 +130,29 @@ class MTPHead(nn.Module):
     ``n r V d`` floats dominate the backbone's own size or memory, i.e. for small backbones or
     large vocabularies.
 
+    Compressed draft vocabulary (FR-Spec, FastMTP; :mod:`circuits_llm.heads.vocab`): with
+    ``draft_vocab`` (``V'`` model ids; ``K`` elsewhere in this package, not to be confused with
+    the units ``K`` of a fold) every variable has ``V'`` categories, category ``k`` being model
+    id ``draft_tokens[k]``; the input logits are computed for those ``V'`` rows of the LM head
+    only (FULL: ``(V', d)`` unembeddings per unit; LEAN: the frozen ``(V', d)`` rows), so ``V``
+    becomes ``V'`` = :attr:`draft_vocab_size` in the shapes and counts above. ``vocab_size``
+    stays the model's ``V``; the decoder maps drafts through :attr:`draft_tokens` and gives
+    ``q = 0`` to every other id, which the verifier's residual covers (the output law stays the
+    LM's).
+
     Args:
         circuit: the symbolic circuit; a :func:`canonical_copy` is compiled, whose own parameters
-            are frozen and unused (the head supplies every fold's parameters).
+            are frozen and unused (the head supplies every fold's parameters). Its variables have
+            ``vocab_size`` categories, or ``K`` with ``draft_vocab``.
         hidden_size: ``d``, size of the hidden state.
-        vocab_size: ``V``, categories of every variable.
+        vocab_size: ``V``, the model's vocabulary (the categories of every variable unless
+            ``draft_vocab`` is given).
         variant: :class:`HeadVariant` (or its value).
         lm_head_weight: (V, d) the LM's unembedding. FULL: initialises every input unit (plus
             ``init_noise`` relative noise); optional. LEAN: the frozen shared map; required.
+            With ``draft_vocab`` only its rows ``draft_vocab`` are used (and kept).
+        draft_vocab: (K,) distinct model ids to draft over, by decreasing frequency
+            (:func:`~circuits_llm.heads.vocab.frequent_tokens`), or None for the whole vocabulary.
         input_bias: learn a per-unit bias over the vocabulary (zero-initialised).
         lean_rank: ``rho`` of the LEAN per-unit transforms.
         identity_init: put ``identity_bias`` on the diagonal of every square sum fold
@@ -137,7 +169,8 @@ class MTPHead(nn.Module):
 
     def __init__(self, circuit: Circuit, hidden_size: int, vocab_size: int,
                  variant: HeadVariant | str = HeadVariant.FULL,
-                 lm_head_weight: Tensor | None = None, *, input_bias: bool = True,
+                 lm_head_weight: Tensor | None = None, *,
+                 draft_vocab: Tensor | Sequence[int] | None = None, input_bias: bool = True,
                  lean_rank: int = 8, identity_init: bool = False, identity_bias: float = 8.0,
                  init_noise: float = 1e-5, sum_init_std: float = 0.0,
                  dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
@@ -161,9 +194,22 @@ class MTPHead(nn.Module):
             raise HeadConfigError(
                 "the LEAN variant applies the LM head to transformed states: pass lm_head_weight "
                 f"({vocab_size}, {hidden_size}), e.g. model.get_output_embeddings().weight")
-        self.window = check_head_circuit(circuit, vocab_size)
+        tokens = None if draft_vocab is None else check_draft_tokens(draft_vocab, vocab_size)
+        #: ``K``: the categories of every circuit variable (``V`` without compression)
+        self.draft_vocab_size = vocab_size if tokens is None else int(tokens.numel())
+        self.window = check_head_circuit(circuit, self.draft_vocab_size,
+                                         compressed=tokens is not None)
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
+        self.draft_tokens: Tensor | None
+        #: (K,) long model ids of the circuit's categories, or None (no compression)
+        self.register_buffer("draft_tokens", tokens)
+        if tokens is not None and lm_head_weight is not None:
+            lm_head_weight = lm_head_weight.detach().index_select(
+                0, tokens.to(lm_head_weight.device))
+        #: the backbone this head was built for (``circuits_llm.models.config_fingerprint``,
+        #: saved with the head and checked on load), or None when unknown
+        self.model_fingerprint: str | None = None
         self.input_bias = input_bias
         self.lean_rank = lean_rank
         self.identity_init = identity_init
@@ -195,12 +241,12 @@ class MTPHead(nn.Module):
                 for v in fold.variables:
                     units[v] += fold.units
             noisy = {v for v, count in units.items() if count > 1}
-            self.inputs = FullInputs(inputs, hidden_size, vocab_size, input_bias, lm_head_weight,
-                                     init_noise, noisy, generator, dtype)
+            self.inputs = FullInputs(inputs, hidden_size, self.draft_vocab_size, input_bias,
+                                     lm_head_weight, init_noise, noisy, generator, dtype)
         else:
             assert lm_head_weight is not None
-            self.inputs = LeanInputs(inputs, hidden_size, vocab_size, input_bias, lm_head_weight,
-                                     lean_rank, generator, dtype)
+            self.inputs = LeanInputs(inputs, hidden_size, self.draft_vocab_size, input_bias,
+                                     lm_head_weight, lean_rank, generator, dtype)
         self.sums = SumProjection(sums, hidden_size, sum_init_std, identity_init, identity_bias,
                                   generator, dtype)
 
@@ -209,12 +255,14 @@ class MTPHead(nn.Module):
     def from_name(cls, name: str | Architecture, window: int, rank: int, hidden_size: int,
                   vocab_size: int, variant: HeadVariant | str = HeadVariant.FULL,
                   lm_head_weight: Tensor | None = None, *, identity_init: bool | None = None,
+                  draft_vocab: Tensor | Sequence[int] | None = None,
                   **options: object) -> MTPHead:
         """A head over a registered head kind: ``ff``, ``cp``, ``hmm``, ``btree`` or one added
         with :func:`~circuits_llm.heads.register_head_kind`.
 
-        ``identity_init`` defaults to the kind's (True for ``hmm``, Appendix E); other keyword
-        options are those of :class:`MTPHead`. ``ff`` requires ``rank=1``. Raises
+        ``identity_init`` defaults to the kind's (True for ``hmm``, Appendix E); ``draft_vocab``
+        (K model ids) builds the kind's circuit over ``K`` categories; other keyword options are
+        those of :class:`MTPHead`. ``ff`` requires ``rank=1``. Raises
         :class:`~circuits.errors.UnknownArchitectureError` (listing the registered names) for
         other names and :class:`HeadConfigError` for ``window < 2``.
         """
@@ -223,10 +271,11 @@ class MTPHead(nn.Module):
             raise HeadConfigError(
                 f"window must be an int >= 2 (a draft of at least one token after the verified "
                 f"one), got {window!r}")
-        circuit = kind.circuit(window, rank, vocab_size)
+        tokens = None if draft_vocab is None else check_draft_tokens(draft_vocab, vocab_size)
+        circuit = kind.circuit(window, rank, vocab_size if tokens is None else int(tokens.numel()))
         if identity_init is None:
             identity_init = kind.identity_init
-        head = cls(circuit, hidden_size, vocab_size, variant, lm_head_weight,
+        head = cls(circuit, hidden_size, vocab_size, variant, lm_head_weight, draft_vocab=tokens,
                    identity_init=identity_init, **options)  # type: ignore[arg-type]
         head.architecture = kind.name
         head.rank = rank
@@ -241,7 +290,8 @@ class MTPHead(nn.Module):
         """``hidden`` (B, d) -> raw external parameters of :attr:`circuit` with batch ``B``.
 
         Returns ``{fold name: tensor}`` for every parameterised fold: input folds ``(B, F, K, V)``
-        logits, sum folds ``(B, F, K, D)`` raw weights. ``hidden`` is cast to the head's dtype.
+        logits (``V`` = :attr:`draft_vocab_size`), sum folds ``(B, F, K, D)`` raw weights.
+        ``hidden`` is cast to the head's dtype.
         """
         if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
             raise InvalidInputError("hidden must be a floating-point torch.Tensor of shape (B, d)")
@@ -251,6 +301,48 @@ class MTPHead(nn.Module):
                 "flatten (batch, time, d) states to (batch * time, d) first")
         hidden = hidden.to(self.dtype)
         return {**self.inputs(hidden), **self.sums(hidden)}
+
+    def observed_log_parameters(self, hidden: Tensor, targets: Tensor,
+                                chunk_rows: int | None = None) -> LogParameters:
+        """The circuit's parameters for a training pass that reads every variable at its target.
+
+        A training pass (``log_prefix_marginals``, ``log_likelihood`` under any mask) reads each
+        input unit only at its variable's observed category. This returns, for ``hidden`` (S, d)
+        and ``targets`` (S, n) (the category of every variable: draft-vocabulary indices with a
+        compressed vocabulary), :class:`~circuits.compiled.LogParameters` in which every input
+        fold holds a one-column ``(S, F, K, 1)`` table: each unit's log-softmax at its target,
+        computed in tiles of ``chunk_rows`` (position, unit) pairs
+        (:func:`~circuits_llm.heads.chunked.target_log_softmax`; default about 16M logits a tile),
+        never as a ``(S, F, K, V)`` tensor. Evaluate it at data ``x = 0`` (every target relabelled
+        category 0: ``torch.zeros_like(targets)``); unobserved variables still sum out to 1. The
+        sum folds are the head's outputs, checked like any external parameters
+        (:class:`~circuits.errors.InvalidParameterError` for NaN, +inf or no mass) and normalised.
+
+        The result equals ``circuit.<query>(targets, params=head(hidden))`` for every query that
+        only reads input units at observed values, gradients included (exact, float64-tested).
+        """
+        if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() != 2 \
+                or hidden.shape[1] != self.hidden_size:
+            got = tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
+            raise InvalidInputError(f"hidden must be a float tensor of shape (batch, "
+                                    f"{self.hidden_size}), got {got}")
+        if not isinstance(targets, Tensor) or targets.dtype != torch.long \
+                or tuple(targets.shape) != (hidden.shape[0], self.window):
+            got = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+            raise InvalidInputError(f"targets must be a long tensor of shape ({hidden.shape[0]}, "
+                                    f"{self.window}), got {got}")
+        if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                       or chunk_rows < 1):
+            raise InvalidInputError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
+        hidden = hidden.to(self.dtype)
+        targets = targets.to(hidden.device)
+        sums = self.circuit.resolve_params(self.sums(hidden), hidden.shape[0])
+        picked = self.inputs.target_log_probs(hidden, targets, chunk_rows)
+        values = dict(sums.values)
+        for plan, module in zip(self.circuit.plans, self.circuit.folds, strict=True):
+            if isinstance(module, FoldedInput):
+                values[plan.fold_id] = picked[plan.name][..., None]
+        return LogParameters(values, hidden.shape[0])
 
     def clear_cache(self) -> None:
         """Drop derived tensors cached for gradient-free calls (LEAN: ``W_lm U`` and the flat
@@ -262,6 +354,17 @@ class MTPHead(nn.Module):
             self.inputs.clear_cache()
         self.sums.cache.clear()
 
+    def refresh_derived(self) -> None:
+        """Rebuild stale cached derived tensors now, eagerly.
+
+        Compiled rounds (:class:`circuits_llm.round.RoundProgram`) call this before each compiled
+        draft: traced code reads the cache as it stands and cannot notice an optimiser step."""
+        if isinstance(self.inputs, LeanInputs):
+            self.inputs.refresh()
+        if self.sums.folds:
+            with torch.no_grad():
+                self.sums.transposed_weight()
+
     # ------------------------------------------------------------------ sizes
     def num_parameters(self) -> int:
         """Trainable parameters (equals :func:`parameter_count` for this head's sizes)."""
@@ -271,10 +374,11 @@ class MTPHead(nn.Module):
     def expected_num_parameters(self) -> int:
         """:func:`parameter_count` evaluated on this head's ``N``, ``S``, ``V``, ``d``."""
         return parameter_count(self.variant, self.input_units, self.sum_weights, self.hidden_size,
-                               self.vocab_size, self.input_bias, self.lean_rank)
+                               self.draft_vocab_size, self.input_bias, self.lean_rank)
 
     def extra_repr(self) -> str:
         name = self.architecture or "custom"
         return (f"architecture={name}, window={self.window}, rank={self.rank}, "
                 f"variant={self.variant.value}, hidden_size={self.hidden_size}, "
-                f"vocab_size={self.vocab_size}, parameters={self.num_parameters()}")
+                f"vocab_size={self.vocab_size}, draft_vocab_size={self.draft_vocab_size}, "
+                f"parameters={self.num_parameters()}")

@@ -8,13 +8,22 @@ corrupted tensor file, is reported as a checksum mismatch.
 Heads of a registered kind (:mod:`circuits_llm.heads.kinds`: the templates and kinds added with
 ``register_head_kind``) are stored by kind name and rank, and rebuilt through the registry;
 custom circuits by their serialised structure (:mod:`circuits.serialization`).
+
+A compressed draft vocabulary is the tensor ``draft_tokens`` (K,) int64 of the tensor file; the
+config records ``K`` and the SHA-256 of the ids, and a load checks both and that the ids are
+distinct and inside the vocabulary. A head built for a known backbone records its config
+fingerprint (``model_fingerprint``); :func:`load_head` refuses, in one
+:class:`~circuits_llm.heads.HeadConfigError`, a head whose hidden size, vocabulary size or
+fingerprint differs from the model it is loaded for.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -26,10 +35,19 @@ from circuits.symbolic import Circuit
 from circuits_llm.heads.config import HeadConfig, HeadConfigError, HeadVariant, parse_variant
 from circuits_llm.heads.head import MTPHead
 from circuits_llm.heads.kinds import head_kind
+from circuits_llm.heads.vocab import check_draft_tokens
 
 TENSORS_FILE = "head.safetensors"
 CONFIG_FILE = "head_config.json"
+#: the tensor holding a compressed draft vocabulary
+DRAFT_TOKENS = "draft_tokens"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def draft_tokens_sha256(tokens: Tensor) -> str:
+    """SHA-256 (hex) of draft ids as int64 little-endian bytes (what ``head_config.json`` keeps)."""
+    ids = tokens.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8", copy=False)
+    return hashlib.sha256(np.ascontiguousarray(ids).tobytes()).hexdigest()
 
 
 def head_tensors(head: MTPHead) -> dict[str, Tensor]:
@@ -50,12 +68,16 @@ def head_config(head: MTPHead) -> HeadConfig:
                 f"(circuit_to_dict), which is not available: {error}") from None
         circuit = circuit_to_dict(head.symbolic, include_parameters=False)
     dtype = next(name for name, value in _DTYPES.items() if value == head.dtype)
+    tokens = head.draft_tokens
     return HeadConfig(
         window=head.window, hidden_size=head.hidden_size, vocab_size=head.vocab_size,
         variant=head.variant.value,
         architecture=head.architecture, rank=head.rank,
         circuit=circuit, input_bias=head.input_bias, lean_rank=head.lean_rank,
-        identity_init=head.identity_init, identity_bias=head.identity_bias, dtype=dtype)
+        identity_init=head.identity_init, identity_bias=head.identity_bias, dtype=dtype,
+        draft_vocab_size=None if tokens is None else int(tokens.numel()),
+        draft_tokens_sha256=None if tokens is None else draft_tokens_sha256(tokens),
+        model_fingerprint=head.model_fingerprint)
 
 
 def save_head(head: MTPHead, directory: str | Path) -> None:
@@ -75,9 +97,9 @@ def _rebuild_circuit(config: HeadConfig, source: Path) -> Circuit:
     if config.architecture is not None:
         if config.rank is None:
             raise HeadConfigError(f"{source} names architecture {config.architecture!r} but no rank")
+        categories = config.draft_vocab_size or config.vocab_size
         try:
-            return head_kind(config.architecture).circuit(config.window, config.rank,
-                                                          config.vocab_size)
+            return head_kind(config.architecture).circuit(config.window, config.rank, categories)
         except CircuitError as error:
             raise HeadConfigError(f"{source}: cannot rebuild the circuit: {error}") from None
     try:
@@ -93,7 +115,7 @@ def _rebuild_circuit(config: HeadConfig, source: Path) -> Circuit:
 
 
 def _check_expected(config: HeadConfig, source: Path, hidden_size: int | None,
-                    vocab_size: int | None) -> None:
+                    vocab_size: int | None, fingerprint: str | None) -> None:
     if hidden_size is not None and config.hidden_size != hidden_size:
         raise HeadConfigError(
             f"the head in {source} reads hidden states of size {config.hidden_size} but the "
@@ -102,12 +124,49 @@ def _check_expected(config: HeadConfig, source: Path, hidden_size: int | None,
         raise HeadConfigError(
             f"the head in {source} predicts {config.vocab_size} token ids but the backbone's "
             f"vocabulary has {vocab_size}; this head was trained for another tokenizer/model")
+    if fingerprint is not None and config.model_fingerprint is not None \
+            and config.model_fingerprint != fingerprint:
+        raise HeadConfigError(
+            f"the head in {source} was built for a model with another configuration "
+            f"(fingerprint {config.model_fingerprint[:16]}... != {fingerprint[:16]}...); this head "
+            "was trained for another model: train one for this model (circuits-llm train-head)")
+
+
+def _draft_tokens(config: HeadConfig, tensors: dict[str, Tensor], source: Path) -> Tensor | None:
+    """The stored draft vocabulary, checked against the config (None when not compressed)."""
+    stored = tensors.get(DRAFT_TOKENS)
+    if config.draft_vocab_size is None:
+        if stored is not None:
+            raise HeadConfigError(f"{source} holds draft_tokens but its config records no draft "
+                                  "vocabulary; the files do not belong together")
+        return None
+    if stored is None:
+        raise HeadConfigError(f"{source} lacks the draft_tokens its config records "
+                              f"(K = {config.draft_vocab_size}); the files do not belong together")
+    try:
+        tokens = check_draft_tokens(stored, config.vocab_size)
+    except HeadConfigError as error:
+        raise HeadConfigError(f"{source}: the stored draft vocabulary is invalid: {error}") from None
+    if tokens.numel() != config.draft_vocab_size or stored.dtype != torch.int64 \
+            or draft_tokens_sha256(tokens) != config.draft_tokens_sha256:
+        raise HeadConfigError(
+            f"{source}: the stored draft vocabulary ({tokens.numel()} ids, {stored.dtype}) does "
+            f"not match the {config.draft_vocab_size} int64 ids and checksum its config records")
+    return tokens
 
 
 def load_head(directory: str | Path, expected_hidden_size: int | None = None,
               expected_vocab_size: int | None = None,
-              device: torch.device | str | None = None) -> MTPHead:
-    """Read a head written by :func:`save_head`. Every failure is a :class:`HeadConfigError`."""
+              device: torch.device | str | None = None, *,
+              expected_fingerprint: str | None = None) -> MTPHead:
+    """Read a head written by :func:`save_head`. Every failure is a :class:`HeadConfigError`.
+
+    Args:
+        expected_hidden_size, expected_vocab_size: the backbone's ``d`` and ``V``; a head for
+            other sizes is refused.
+        expected_fingerprint: the backbone's ``circuits_llm.models.config_fingerprint``; a head
+            that recorded another one is refused (heads without a record are accepted).
+    """
     directory = Path(directory)
     config_path, tensors_path = directory / CONFIG_FILE, directory / TENSORS_FILE
     for path in (config_path, tensors_path):
@@ -115,7 +174,8 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
             raise HeadConfigError(f"{path} does not exist; is {directory} a directory written by "
                                   "save_head?")
     config = HeadConfig.from_json(config_path.read_text(), str(config_path))
-    _check_expected(config, config_path, expected_hidden_size, expected_vocab_size)
+    _check_expected(config, config_path, expected_hidden_size, expected_vocab_size,
+                    expected_fingerprint)
     if config.tensors_sha256 is not None and sha256_file(tensors_path) != config.tensors_sha256:
         raise HeadConfigError(
             f"{tensors_path} does not match the checksum recorded in {config_path}: the file is "
@@ -125,6 +185,7 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
     except (SafetensorError, OSError, ValueError) as error:
         raise HeadConfigError(f"{tensors_path} cannot be read ({error}); the file is corrupt") \
             from None
+    tokens = _draft_tokens(config, tensors, tensors_path)
     circuit = _rebuild_circuit(config, config_path)
     variant = parse_variant(config.variant)
     placeholder = None
@@ -132,14 +193,15 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
         placeholder = torch.zeros(config.vocab_size, config.hidden_size)
     try:
         head = MTPHead(circuit, config.hidden_size, config.vocab_size, variant, placeholder,
-                       input_bias=config.input_bias, lean_rank=config.lean_rank,
-                       identity_init=config.identity_init, identity_bias=config.identity_bias,
-                       dtype=_DTYPES[config.dtype])
+                       draft_vocab=tokens, input_bias=config.input_bias,
+                       lean_rank=config.lean_rank, identity_init=config.identity_init,
+                       identity_bias=config.identity_bias, dtype=_DTYPES[config.dtype])
     except CircuitError as error:
         raise HeadConfigError(f"{config_path} describes an invalid head: {error}") from None
     if config.architecture is not None:
         head.architecture = head_kind(config.architecture).name
         head.rank = config.rank
+    head.model_fingerprint = config.model_fingerprint
     expected = head_tensors(head)
     missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     wrong = sorted(name for name in set(expected) & set(tensors)

@@ -9,7 +9,14 @@
 
 Each input module is built from a list of :class:`FoldShape` (the input folds of a compiled
 circuit) and returns ``{fold name: (B, F, K, V)}``; the sum projection returns
-``{fold name: (B, F, K, D)}``. Every fold costs one matmul, whatever its number of slots.
+``{fold name: (B, F, K, D)}``. Every fold costs one matmul, whatever its number of slots. ``V``
+here is the number of categories of the circuit's variables: the model's vocabulary, or a
+compressed draft vocabulary (the head then passes the LM head's rows of those tokens).
+
+For training, the input modules also give every unit's log-probability of the observed token
+only (``target_log_probs``): computed in tiles of at most ``rows`` (position, unit) pairs
+(:func:`~circuits_llm.heads.chunked.target_log_softmax`), so no ``(B, F, K, V)`` logits tensor
+is ever held.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor, nn
+
+from circuits_llm.heads.chunked import FullTiles, LeanTiles, default_rows, target_log_softmax
 
 T = TypeVar("T")
 
@@ -62,7 +71,14 @@ class DerivedCache:
         self.entries: dict[str, tuple[tuple[object, ...], tuple[Tensor, ...], object]] = {}
 
     def get(self, name: str, sources: tuple[Tensor, ...], build: Callable[[], T]) -> T:
-        """``build()``, cached under ``name`` unless a gradient must reach a source."""
+        """``build()``, cached under ``name`` unless a gradient must reach a source.
+
+        Under ``torch.compile`` the entry is read as it stands (a traced graph cannot check
+        version counters): compiled callers refresh it eagerly first (``MTPHead.refresh_derived``).
+        """
+        if torch.compiler.is_compiling():
+            hit = self.entries.get(name)
+            return build() if hit is None else hit[2]  # type: ignore[return-value]
         if torch.is_grad_enabled() and any(t.requires_grad for t in sources):
             return build()
         key = (torch.is_inference_mode_enabled(),
@@ -77,6 +93,13 @@ class DerivedCache:
 
     def clear(self) -> None:
         self.entries.clear()
+
+
+def slot_targets(targets: Tensor, variables: tuple[int, ...], units: int) -> Tensor:
+    """(S, n) categories of every variable -> (S, F * units): the category each input unit of a
+    fold (slots ordered ``f * units + k``, as ``(F, K)`` flattens) reads."""
+    index = torch.tensor(variables, device=targets.device)
+    return targets.index_select(1, index).repeat_interleave(units, dim=1)
 
 
 class FullInputs(nn.Module):
@@ -95,6 +118,8 @@ class FullInputs(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
+        #: the variable of every slot of each fold
+        self.variables = {fold.name: fold.variables for fold in folds}
         self.weight = nn.ParameterDict()
         self.bias = nn.ParameterDict()
         for fold in folds:
@@ -123,6 +148,21 @@ class FullInputs(nn.Module):
             out[name] = logits.view(batch, folded, units, vocab)
         return out
 
+    def target_log_probs(self, hidden: Tensor, targets: Tensor, rows: int | None = None,
+                         ) -> dict[str, Tensor]:
+        """``hidden`` (S, d), ``targets`` (S, n) the category of every variable ->
+        ``{name: (S, F, K)}``, each unit's log-softmax at its variable's category, in tiles of
+        ``rows`` (position, unit) pairs (default :func:`~circuits_llm.heads.chunked.default_rows`)."""
+        out = {}
+        for name, weight in self.weight.items():
+            folded, units, vocab, dim = weight.shape
+            bias = self.bias[name].reshape(folded * units, vocab) if name in self.bias else None
+            tiled = FullTiles(hidden, weight.reshape(folded * units, vocab, dim), bias)
+            picked = target_log_softmax(tiled, slot_targets(targets, self.variables[name], units),
+                                        rows or default_rows(vocab))
+            out[name] = picked.view(hidden.shape[0], folded, units)
+        return out
+
 
 class LeanInputs(nn.Module):
     """Frozen LM head on per-unit low-rank transforms: ``logits = W_lm (e + U (V^T e)) + bias``.
@@ -148,6 +188,8 @@ class LeanInputs(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
+        #: the variable of every slot of each fold
+        self.variables = {fold.name: fold.variables for fold in folds}
         self.register_buffer("lm_head", lm_head_weight.detach().to(dtype).clone())
         self.down = nn.ParameterDict()
         self.up = nn.ParameterDict()
@@ -174,6 +216,12 @@ class LeanInputs(nn.Module):
         down_flat = down.permute(2, 0, 1, 3).reshape(dim, folded * units * rank)
         vocab_up = torch.matmul(up.reshape(folded * units, rank, dim), self.lm_head.T)
         return down_flat, vocab_up
+
+    def refresh(self) -> None:
+        """Bring every fold's cached maps up to date (eagerly, before compiled code reads them)."""
+        with torch.no_grad():
+            for name in self.down:
+                self.derived_maps(name)
 
     def derived_maps(self, name: str) -> tuple[Tensor, Tensor]:
         """Fold ``name``'s ``(down_flat (d, F K rho), vocab_up (F K, rho, V))``.
@@ -204,6 +252,27 @@ class LeanInputs(nn.Module):
                 delta = torch.bmm(codes, vocab_up)
             logits = delta.transpose(0, 1) + base[:, None, :]  # (B, F K, V)
             out[name] = logits.reshape(batch, folded, units, self.vocab_size)
+        return out
+
+    def target_log_probs(self, hidden: Tensor, targets: Tensor, rows: int | None = None,
+                         ) -> dict[str, Tensor]:
+        """``hidden`` (S, d), ``targets`` (S, n) the category of every variable ->
+        ``{name: (S, F, K)}``, each unit's log-softmax at its variable's category, in tiles of
+        ``rows`` (position, unit) pairs (default :func:`~circuits_llm.heads.chunked.default_rows`).
+
+        Per fold the codes ``(S, F K, rho) = e V`` are one matmul; a tile's logits are
+        ``W_lm e + codes (W_lm U) + bias`` for its positions and units only."""
+        out = {}
+        positions = hidden.shape[0]
+        for name, down in self.down.items():
+            folded, units, _, rank = down.shape
+            down_flat, vocab_up = self.derived_maps(name)
+            codes = (hidden @ down_flat).view(positions, folded * units, rank)
+            bias = self.bias[name].view(folded * units, -1) if name in self.bias else None
+            tiled = LeanTiles(hidden, self.lm_head, codes, vocab_up, bias)
+            picked = target_log_softmax(tiled, slot_targets(targets, self.variables[name], units),
+                                        rows or default_rows(self.vocab_size))
+            out[name] = picked.view(positions, folded, units)
         return out
 
 
@@ -237,6 +306,10 @@ class SumProjection(nn.Module):
         #: ``weight`` transposed to (d, S), see :meth:`forward`
         self.cache = DerivedCache()
 
+    def transposed_weight(self) -> Tensor:
+        """``weight`` as a contiguous (d, S) tensor, cached for gradient-free calls."""
+        return self.cache.get("weight", (self.weight,), lambda: self.weight.t().contiguous())
+
     def forward(self, hidden: Tensor) -> dict[str, Tensor]:
         """``hidden`` (B, d) -> ``{name: raw weights (B, F, K, D)}`` (one matmul in all).
 
@@ -246,8 +319,7 @@ class SumProjection(nn.Module):
         """
         if not self.folds:
             return {}
-        transposed = self.cache.get("weight", (self.weight,),
-                                    lambda: self.weight.t().contiguous())
+        transposed = self.transposed_weight()
         flat = torch.addmm(self.bias, hidden, transposed)
         out = {}
         offset = 0

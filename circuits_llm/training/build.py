@@ -1,30 +1,41 @@
 """Building the draft model of a run: the backbone (frozen + optional LoRA) and the circuit head.
 
+A head is built in two steps. :func:`plan_head` decides its size before any data or tensor
+exists: the rank and the draft vocabulary size ``K`` that the config leaves open are chosen so
+that the head has at most ``head_budget`` (5%) of the backbone's parameters
+(:func:`~circuits_llm.heads.sizing.fit_head_size`); a size the config fixes is kept and, when it
+is over the budget, announced by a :class:`~circuits_llm.heads.sizing.HeadBudgetWarning` naming
+the numbers. :func:`build_head` then builds the head on the training data: the ``K`` most
+frequent tokens of the training sequences
+(:func:`~circuits_llm.training.datasets.training_token_counts`), always with the
+model's EOS ids (:func:`always_drafted`), become its draft vocabulary.
+
 Every way a head or config can fail to fit the model (vocabulary or hidden size, a circuit file
 with the wrong categories or window, a window below 2) is reported as one
-:class:`~circuits_llm.training.config.TrainingConfigError` before anything is trained or written.
+:class:`~circuits_llm.training.config.TrainingConfigError` by :func:`plan_head`, before anything
+is trained or written.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from circuits.errors import CircuitError
 from circuits.serialization import load_circuit
+from circuits.symbolic import Circuit
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.data import SpecialToken
 from circuits_llm.heads import HeadConfigError, MTPHead, check_head_circuit
 from circuits_llm.heads.io import head_config
+from circuits_llm.heads.sizing import HeadBudgetWarning, HeadSize, fit_head_size
+from circuits_llm.heads.vocab import TokenCounts, frequent_tokens
 from circuits_llm.models import config_fingerprint
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
-
-#: The largest token id the byte-level training data contain (EOS; PAD is never used as input).
-MAX_DATA_TOKEN = int(SpecialToken.EOS)
 
 
 def lm_head_weight(model: PreTrainedModel) -> Tensor:
@@ -41,8 +52,7 @@ def build_backbone(model: PreTrainedModel, config: HeadTrainingConfig) -> HFBack
     """``HFBackbone(model, lora_layers, lora_rank)``; the LoRA init draws from the global RNG.
 
     Raises:
-        TrainingConfigError: ``lora_layers`` exceeds the model's layers, or the model's
-            vocabulary cannot hold the byte-level training ids.
+        TrainingConfigError: ``lora_layers`` exceeds the model's layers.
     """
     if not isinstance(model, PreTrainedModel):
         raise TrainingConfigError(f"model must be a Hugging Face PreTrainedModel, got "
@@ -51,21 +61,59 @@ def build_backbone(model: PreTrainedModel, config: HeadTrainingConfig) -> HFBack
         backbone = HFBackbone(model, lora_layers=config.lora_layers, lora_rank=config.lora_rank)
     except (TypeError, ValueError) as error:
         raise TrainingConfigError(f"cannot build the backbone: {error}") from None
-    if backbone.vocab_size <= MAX_DATA_TOKEN:
-        raise TrainingConfigError(
-            f"the training data are byte-level ids 0..{MAX_DATA_TOKEN} (bytes, BOS, EOS) but the "
-            f"model's vocabulary has only {backbone.vocab_size} ids")
     return backbone
 
 
-def _circuit_head(config: HeadTrainingConfig, backbone: HFBackbone, weight: Tensor) -> MTPHead:
+def backbone_parameters(model: PreTrainedModel) -> int:
+    """The model's parameter count (shared tensors, e.g. tied embeddings, counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def always_drafted(model: PreTrainedModel) -> list[int]:
+    """The ids every draft vocabulary keeps: the EOS ids of the model's generation config and
+    config (so a draft can end an answer where the model would)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        for eos in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0:
+                ids.add(eos)
+    return sorted(ids)
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """What :func:`build_head` builds: the config's head at a decided size.
+
+    Attributes:
+        config: the run's config.
+        size: the rank, draft vocabulary size and parameter count (:class:`HeadSize`).
+        circuit: the head's circuit when read from ``config.circuit_file`` (checked), else None.
+    """
+
+    config: HeadTrainingConfig
+    size: HeadSize
+    circuit: Circuit | None = None
+
+    def describe(self) -> str:
+        """A short description for messages, e.g. ``"the btree head (window 16, rank 16, lean,
+        K = 8192)"``."""
+        config = self.config
+        kind = getattr(config.architecture, "value", config.architecture) or "circuit-file"
+        rank = "" if self.size.rank is None else f", rank {self.size.rank}"
+        vocab = "the whole vocabulary" if self.size.draft_vocab is None else \
+            f"K = {self.size.draft_vocab}"
+        return f"the {kind} head (window {config.window}{rank}, {config.variant.value}, {vocab})"
+
+
+def _read_circuit(config: HeadTrainingConfig, categories: int, compressed: bool) -> Circuit:
     assert config.circuit_file is not None
     path = Path(config.circuit_file)
     if not path.is_file():
         raise TrainingConfigError(f"circuit file {path} does not exist")
     try:
         circuit = load_circuit(path)
-        window = check_head_circuit(circuit, backbone.vocab_size)
+        window = check_head_circuit(circuit, categories, compressed=compressed)
     except CircuitError as error:
         raise TrainingConfigError(f"circuit file {path} cannot be a head for this model: "
                                   f"{error}") from None
@@ -73,38 +121,85 @@ def _circuit_head(config: HeadTrainingConfig, backbone: HFBackbone, weight: Tens
         raise TrainingConfigError(
             f"circuit file {path} has {window} variables but the config's window is "
             f"{config.window}; set window={window}")
-    return MTPHead(circuit, backbone.hidden_size, backbone.vocab_size, config.variant, weight,
-                   lean_rank=config.lean_rank, seed=config.seed)
+    return circuit
 
 
-def build_head(config: HeadTrainingConfig, backbone: HFBackbone) -> MTPHead:
-    """The head of ``config`` on ``backbone``'s sizes, initialised from its LM head.
+def plan_head(config: HeadTrainingConfig, backbone: HFBackbone) -> HeadPlan:
+    """Decide the head's size for ``backbone`` and check that the config's head fits it.
+
+    Raises:
+        TrainingConfigError: the circuit file does not exist or does not fit (categories,
+            window), or the kind cannot be built.
+    """
+    vocab = backbone.vocab_size
+    total = backbone_parameters(backbone.model)
+    try:
+        circuit = None
+        if config.circuit_file is not None:
+            compressed = config.draft_vocab is not None and config.draft_vocab < vocab
+            circuit = _read_circuit(config, config.draft_vocab if compressed else vocab,
+                                    compressed)
+            size = fit_head_size(None, config.window, backbone.hidden_size, vocab, config.variant,
+                                 total, draft_vocab=config.draft_vocab or vocab,
+                                 lean_rank=config.lean_rank, fraction=config.head_budget,
+                                 circuit=circuit)
+        else:
+            assert config.architecture is not None
+            kind = getattr(config.architecture, "value", config.architecture)
+            size = fit_head_size(str(kind), config.window, backbone.hidden_size, vocab,
+                                 config.variant, total, rank=config.rank,
+                                 draft_vocab=config.draft_vocab, lean_rank=config.lean_rank,
+                                 fraction=config.head_budget)
+    except (CircuitError, HeadConfigError) as error:
+        raise TrainingConfigError(f"cannot build the head: {error}") from None
+    plan = HeadPlan(config, size, circuit)
+    if not size.within_budget:
+        warnings.warn(size.over_budget_message(plan.describe()), HeadBudgetWarning, stacklevel=2)
+    return plan
+
+
+def build_head(plan: HeadPlan, backbone: HFBackbone, counts: TokenCounts | None = None) -> MTPHead:
+    """The planned head on ``backbone``'s sizes, initialised from its LM head, on its device.
+
+    With a draft vocabulary (``plan.size.draft_vocab``), ``counts`` (the training data's,
+    :func:`~circuits_llm.training.datasets.training_token_counts`) chooses its ids: the most
+    frequent, plus the model's EOS ids.
 
     Shapes: the head maps draft hidden states (B, d) to the parameters of a circuit over
-    ``window`` variables with ``V`` categories, ``d``/``V`` being the backbone's.
+    ``window`` variables with ``K`` categories (``V`` without a draft vocabulary).
+
+    Raises:
+        TrainingConfigError: a draft vocabulary is planned but no ``counts`` are given, or they
+            count another vocabulary.
     """
+    config, size = plan.config, plan.size
     weight = lm_head_weight(backbone.model).detach().float().cpu()
     if tuple(weight.shape) != (backbone.vocab_size, backbone.hidden_size):
         raise TrainingConfigError(
             f"the output embedding has shape {tuple(weight.shape)}, expected (vocab, hidden) = "
             f"({backbone.vocab_size}, {backbone.hidden_size})")
     try:
-        if config.circuit_file is not None:
-            head = _circuit_head(config, backbone, weight)
+        tokens = None
+        if size.draft_vocab is not None:
+            if counts is None:
+                raise TrainingConfigError("a head with a draft vocabulary is built from token "
+                                          "counts of its training data; pass counts")
+            tokens = frequent_tokens(counts, size.draft_vocab, vocab_size=backbone.vocab_size,
+                                     always=always_drafted(backbone.model))
+        if plan.circuit is not None:
+            head = MTPHead(plan.circuit, backbone.hidden_size, backbone.vocab_size, config.variant,
+                           weight, draft_vocab=tokens, lean_rank=config.lean_rank,
+                           seed=config.seed)
         else:
-            head = MTPHead.from_name(config.architecture, config.window, config.rank,
+            assert config.architecture is not None and size.rank is not None
+            head = MTPHead.from_name(config.architecture, config.window, size.rank,
                                      backbone.hidden_size, backbone.vocab_size, config.variant,
-                                     weight, lean_rank=config.lean_rank, seed=config.seed)
+                                     weight, draft_vocab=tokens, lean_rank=config.lean_rank,
+                                     seed=config.seed)
     except (CircuitError, HeadConfigError) as error:
         raise TrainingConfigError(f"cannot build the head: {error}") from None
+    head.model_fingerprint = config_fingerprint(backbone.model)
     return head.to(backbone.device)
-
-
-def model_fingerprint(model: PreTrainedModel) -> dict[str, str]:
-    """What identifies the backbone a run trained against: its config and its LM head values."""
-    weight = lm_head_weight(model).detach().to("cpu", torch.float32).contiguous()
-    return {"config": config_fingerprint(model),
-            "lm_head_sha256": hashlib.sha256(weight.numpy().tobytes()).hexdigest()}
 
 
 def head_fingerprint(head: MTPHead) -> str:

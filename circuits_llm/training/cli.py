@@ -5,6 +5,13 @@ Example (resumable; run it again with the same arguments to continue)::
     circuits-llm train-head --model embedded --arch btree --window 16 --rank 32 --variant lean \\
         --lora-layers 0 --steps 2000 --run-dir runs/btree --minutes 30
 
+``--model`` is ``embedded``, an HF directory, a ``.gguf`` file or a hub id in the local cache
+(:func:`circuits_llm.models.parse_model_reference`); the corpus is tokenised with that model's own
+tokenizer and cached on disk (:mod:`circuits_llm.corpus`; ``$CIRCUITS_LLM_CORPUS_CACHE`` moves the
+cache), so a resumed run tokenises nothing. ``--self-distill`` trains on the model's own
+continuations of corpus prompts (FastMTP; :mod:`circuits_llm.training.self_distill`), generated
+once with a progress bar into the run directory and resumed if interrupted.
+
 Data-parallel on CPU: ``torchrun --nproc_per_node=2 -m circuits_llm train-head ...`` (the global
 ``--batch-size`` is split across the processes). ``--device`` takes the shared forms of
 :mod:`circuits_llm.devices` (default ``cpu``, as before: resumable runs and CPU data-parallel runs
@@ -33,7 +40,7 @@ from typing import Any
 import torch
 
 from circuits_llm.devices import DeviceError, DeviceSpec, add_device_argument, resolve_device
-from circuits_llm.models import EMBEDDED, ModelLoadError, load_causal_lm
+from circuits_llm.models import EMBEDDED, ModelLoadError, load_model
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
 
 _PROGRAM = "circuits-llm train-head"
@@ -41,11 +48,13 @@ _PROGRAM = "circuits-llm train-head"
 TRAINING_FAILED = 1
 
 
-def load_model(spec: str, device: torch.device) -> Any:
-    """The ``--model`` causal LM on ``device`` (:func:`circuits_llm.models.load_causal_lm`)."""
+def load_training_model(spec: str, device: torch.device) -> Any:
+    """The ``--model`` causal LM on ``device``, with its tokenizer attached and checked
+    (:func:`circuits_llm.models.load_model`; training reads the tokenizer from there)."""
+    from circuits_llm.tokens import TokenizerError
     try:
-        return load_causal_lm(spec, device)
-    except ModelLoadError as error:
+        return load_model(spec, device).model
+    except (ModelLoadError, TokenizerError) as error:
         raise TrainingConfigError(str(error)) from None
 
 
@@ -60,10 +69,12 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
         architecture=None if args.circuit_file else args.arch,
         circuit_file=str(args.circuit_file) if args.circuit_file else None,
         window=args.window, rank=args.rank, variant=args.variant, lean_rank=args.lean_rank,
+        draft_vocab=args.draft_vocab, head_budget=args.head_budget,
         lora_layers=args.lora_layers, lora_rank=args.lora_rank, seq_len=args.seq_len,
         batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip if args.grad_clip > 0 else None, steps=args.steps,
-        gamma=args.gamma, data=args.data, seed=args.seed, eval_every=args.eval_every,
+        gamma=args.gamma, data=DataSource.SELF_DISTILLED if args.self_distill else args.data,
+        seed=args.seed, eval_every=args.eval_every,
         eval_windows=args.eval_windows, checkpoint_every_s=args.checkpoint_every,
         max_train_bytes=args.max_train_bytes, distill_samples=args.distill_samples,
         distill_prompt_len=args.distill_prompt_len,
@@ -81,7 +92,7 @@ def _train_head(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         config = config_from_args(args)
-        model = load_model(args.model, _device(args.device))
+        model = load_training_model(args.model, _device(args.device))
         minutes = args.minutes
         result = train_head(model, config, args.run_dir,
                             max_seconds=None if minutes is None else minutes * 60,
@@ -124,15 +135,24 @@ def add_train_head_command(sub: Any) -> None:
     d = HeadTrainingConfig()
     p = sub.add_parser("train-head", help="train a circuit MTP head (+ LoRA) on a frozen model "
                                           "(resumable, torchrun-ready)")
-    p.add_argument("--model", default=EMBEDDED, help="'embedded' or a Hugging Face model directory")
+    p.add_argument("--model", default=EMBEDDED,
+                   help="'embedded', a Hugging Face model directory, a .gguf file, or a hub id in "
+                        "the local Hugging Face cache (its own tokenizer tokenises the corpus)")
     p.add_argument("--run-dir", type=Path, required=True, help="checkpoint + export directory")
     head = p.add_mutually_exclusive_group()
     head.add_argument("--arch", default="btree", help="ff, cp, hmm or btree (default btree)")
     head.add_argument("--circuit-file", type=Path, default=None, help="a JSON circuit file")
     p.add_argument("--window", type=int, default=d.window)
-    p.add_argument("--rank", type=int, default=d.rank)
+    p.add_argument("--rank", type=int, default=d.rank,
+                   help="the template's rank (default: the largest of 32..1 within --head-budget)")
     p.add_argument("--variant", choices=("lean", "full"), default=d.variant.value)
     p.add_argument("--lean-rank", type=int, default=d.lean_rank)
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                   help="draft over the K most frequent tokens of the training data (default: the "
+                        "whole vocabulary up to 8192 tokens, else 8192 or 4096 within the budget)")
+    p.add_argument("--head-budget", type=float, default=d.head_budget,
+                   help="default head size, as a fraction of the backbone's parameters "
+                        f"(default {d.head_budget})")
     p.add_argument("--lora-layers", type=int, default=d.lora_layers)
     p.add_argument("--lora-rank", type=int, default=d.lora_rank)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -142,13 +162,19 @@ def add_train_head_command(sub: Any) -> None:
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--gamma", type=float, default=None, help="default 0.8 (n <= 8) or 0.9")
-    p.add_argument("--data", choices=[s.value for s in DataSource], default=d.data.value)
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--data", choices=[s.value for s in DataSource], default=d.data.value)
+    data.add_argument("--self-distill", action="store_true",
+                      help="train on the model's own continuations of corpus prompts, sampled at "
+                           "--distill-temperature (= --data self-distilled)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-windows", type=int, default=d.eval_windows)
     p.add_argument("--checkpoint-every", type=float, default=d.checkpoint_every_s,
                    help="seconds between checkpoints")
-    p.add_argument("--max-train-bytes", type=int, default=None)
+    p.add_argument("--max-train-bytes", type=int, default=None,
+                   help="cap on the training split, in tokens of the model's tokenizer (bytes for a "
+                        "byte model)")
     p.add_argument("--distill-samples", type=int, default=d.distill_samples)
     p.add_argument("--distill-prompt-len", type=int, default=d.distill_prompt_len)
     p.add_argument("--distill-temperature", type=float, default=d.distill_temperature)

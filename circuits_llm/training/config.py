@@ -26,9 +26,12 @@ class TrainingConfigError(ValueError):
 class DataSource(Enum):
     """What the head is trained on.
 
-    ``CORPUS``: random windows of the stdlib training split (:mod:`circuits_llm.data`).
-    ``SELF_DISTILLED``: FastMTP Sec. 2.4: prompts cut from the training split, continued by the
-    target model itself (sampling, fixed seed); the loss covers the generated responses only.
+    ``CORPUS``: random windows of the stdlib training split, in the model's own tokens
+    (:mod:`circuits_llm.corpus`, cached on disk).
+    ``SELF_DISTILLED`` (``train-head --self-distill``): FastMTP Sec. 2.4: prompts cut from the
+    training split, continued by the target model itself at ``distill_temperature`` (fixed seeds;
+    generated once into the run directory, resumable: :mod:`circuits_llm.training.self_distill`);
+    the loss covers the generated responses only.
     """
 
     CORPUS = "corpus"
@@ -77,14 +80,26 @@ class HeadTrainingConfig:
             ``0 .. window-1``, each ``Categorical(V)``; its stored parameters are not used.
         window: ``n``, the number of future tokens the head models (>= 2); must equal the
             circuit file's number of variables when one is given.
-        rank: the template's rank (``ff`` needs 1; ignored for circuit files).
+        rank: the template's rank (``ff`` needs 1; ignored for circuit files); None: the largest
+            of 32, 16, 8, 4, 2, 1 whose head fits ``head_budget``
+            (:func:`~circuits_llm.heads.sizing.fit_head_size`).
         variant: :class:`HeadVariant` FULL (per-unit unembeddings) or LEAN (frozen LM head).
         lean_rank: ``rho`` of the LEAN per-unit transforms.
+        draft_vocab: ``K``: the head drafts over the ``K`` most frequent tokens of the training
+            data (plus EOS; FR-Spec / FastMTP; ``K >= V``: the whole vocabulary); None: 8192 or
+            4096 when the vocabulary is larger than 8192 (whichever fits ``head_budget``), else
+            the whole vocabulary. A circuit file's variables have ``K`` categories (``V`` when
+            None).
+        head_budget: the most trainable parameters a head gets by default, as a fraction of the
+            backbone's; an explicit ``rank`` or ``draft_vocab`` beyond it is kept, with a
+            :class:`~circuits_llm.heads.sizing.HeadBudgetWarning` naming the numbers.
         lora_layers: ``k`` LoRA draft layers on top of the frozen backbone (0 = frozen only).
         lora_rank: rank of those LoRA adapters (scale ``alpha / r = 1``).
-        seq_len: tokens per training sequence; every position starts a window. Memory grows
-            as ``batch_size * seq_len * N * V`` floats (``N`` input units: ``n r`` for CP, HMM,
-            BTree), e.g. about 3 GB for n=16, r=32, V=260, seq_len=128, batch_size=8.
+        seq_len: tokens per training sequence; every position starts a window. The loss reads
+            the ``N`` input units' logits (``n r`` for CP, HMM, BTree) over ``K`` tokens in
+            tiles of about 16M values (:mod:`circuits_llm.heads.chunked`), so memory grows with
+            ``batch_size * seq_len * (N rho + S)`` (codes and sum weights), not with ``N K``;
+            time grows with ``batch_size * seq_len * N * K``.
         batch_size: sequences per optimiser step (the global batch under DDP).
         learning_rate: AdamW learning rate, constant as in the MTPC paper (which uses 3e-4 for
             a one-epoch run with batches of 256 sequences; the default suits short CPU runs).
@@ -97,7 +112,8 @@ class HeadTrainingConfig:
         eval_every: validate every this many steps (and at the start and the end).
         eval_windows: validation sequences (fixed, the first ones of the validation data).
         checkpoint_every_s: also write a checkpoint when this many seconds passed since the last.
-        max_train_bytes: cap on the training corpus size (None: the whole training split).
+        max_train_bytes: cap on the training corpus size, in tokens of the model's tokenizer
+            (bytes for a byte model; None: the whole training split).
         distill_samples: self-distilled training sequences to generate.
         distill_prompt_len: prompt tokens per self-distilled sequence; the response fills the
             rest of ``seq_len`` and must be at least ``window`` tokens long.
@@ -108,9 +124,11 @@ class HeadTrainingConfig:
     architecture: Architecture | str | None = Architecture.BTREE
     circuit_file: str | None = None
     window: int = 16
-    rank: int = 32
+    rank: int | None = None
     variant: HeadVariant = HeadVariant.LEAN
     lean_rank: int = 8
+    draft_vocab: int | None = None
+    head_budget: float = 0.05
     lora_layers: int = 0
     lora_rank: int = 8
     seq_len: int = 128
@@ -161,8 +179,15 @@ class HeadTrainingConfig:
 
     def _check_numbers(self) -> None:
         _int("window", self.window, 2)
-        _int("rank", self.rank, 1)
-        if self.architecture is Architecture.FF and self.rank != 1:
+        if self.rank is not None:
+            _int("rank", self.rank, 1)
+        if self.draft_vocab is not None:
+            _int("draft_vocab", self.draft_vocab, 1)
+        _positive("head_budget", self.head_budget)
+        if self.head_budget > 1:
+            raise TrainingConfigError(f"head_budget is a fraction of the backbone's parameters in "
+                                      f"(0, 1], got {self.head_budget!r}")
+        if self.architecture is Architecture.FF and self.rank not in (None, 1):
             raise TrainingConfigError(f"the ff (fully factorised) head has rank 1, got rank="
                                       f"{self.rank}; pass rank=1")
         for name, minimum in (("lean_rank", 1), ("lora_layers", 0), ("lora_rank", 1),

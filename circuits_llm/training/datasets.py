@@ -1,45 +1,75 @@
-"""The sequences a head is trained and validated on.
+"""The sequences a head is trained and validated on, in the model's own tokens.
 
-* :attr:`DataSource.CORPUS`: every window of ``seq_len`` tokens of the packed stdlib training
-  split (stride 1, a view); validation: the first ``eval_windows`` non-overlapping windows of the
-  validation split.
-* :attr:`DataSource.SELF_DISTILLED` (FastMTP Sec. 2.4): prompts of ``distill_prompt_len`` tokens
-  cut from the training split at seeded random positions, each continued by the target model
-  itself for ``seq_len - distill_prompt_len`` tokens with :class:`AutoregressiveDecoder`
-  (sampling at ``distill_temperature`` with a generator seeded by ``seed``; no EOS stop, so every
-  sequence has exactly ``seq_len`` tokens). Validation prompts come from the validation split.
-  The loss covers the responses only: windows start at the last prompt token or later. The
-  generated sequences are cached in ``run_dir/self_distilled.pt`` together with what produced
-  them (config values and the model fingerprint); a cache made otherwise is an error.
+The corpus (by default this interpreter's standard library; ``--corpus-root`` otherwise) is
+tokenised with the model's tokenizer once and cached on disk (:mod:`circuits_llm.corpus`): a
+resumed run or a second head reads the memory-mapped token file, and nothing holds the whole
+corpus in memory. The tokenizer is the one given, else the model's own
+(:func:`circuits_llm.tokens.tokenizer_for`: the reference :func:`circuits_llm.models.load_causal_lm`
+recorded, or bytes for a byte model); it must fit the model's vocabulary
+(:func:`circuits_llm.tokens.check_vocabulary`), so a byte corpus is never fed to a subword model.
+
+* :attr:`DataSource.CORPUS`: every window of ``seq_len`` tokens of the training split, capped at
+  ``max_train_bytes`` tokens (stride 1: :class:`StreamWindows`); validation: the first
+  ``eval_windows`` non-overlapping windows of the validation split.
+* :attr:`DataSource.SELF_DISTILLED` (FastMTP Sec. 2.4): prompts from the same streams continued
+  by the model itself (:mod:`circuits_llm.training.self_distill`, cached and resumable in the run
+  directory); the loss covers the responses only (windows start at the last prompt token or
+  later).
+
+Every problem with the data is one :class:`~circuits_llm.training.config.TrainingConfigError`
+naming the corpus and what to change, raised before anything is written.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from circuits_llm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from circuits_llm.data import Split, corpus_files, pack, stdlib_root
-from circuits_llm.decoder import AutoregressiveDecoder
-from circuits_llm.training.build import model_fingerprint
+from circuits_llm.corpus import CorpusError, TokenStream, tokenized_split
+from circuits_llm.data import Split, stdlib_root
+from circuits_llm.heads.vocab import TokenCounts, token_counts
+from circuits_llm.tokens import TextTokenizer, TokenizerError, check_vocabulary, tokenizer_for
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
+from circuits_llm.training.self_distill import (
+    DISTILL_FILE,
+    DISTILL_KIND,
+    PARTS_DIR,
+    plan,
+    self_distilled_rows,
+)
 
-DISTILL_KIND = "circuits_llm.self_distilled"
-DISTILL_FILE = "self_distilled.pt"
+__all__ = ["DISTILL_FILE", "DISTILL_KIND", "PARTS_DIR", "SequenceSet", "StreamWindows",
+           "TensorSequences", "corpus_sets", "self_distilled_sets", "training_sets",
+           "training_streams", "training_tokenizer"]
+
+
+class SequenceSet(ABC):
+    """Equal-length token sequences and where the loss applies: what the trainer draws from."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of sequences."""
+
+    @abstractmethod
+    def rows(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(tokens (b, L) int64, mask (b, L) bool or None)`` for the row indices ``index`` (b,);
+        the mask (:func:`circuits_llm.loss.mtp_loss`'s) marks tokens that may start a window or
+        be a target, None: every token."""
 
 
 @dataclass(frozen=True)
-class SequenceSet:
-    """Equal-length token sequences and where the loss applies.
+class TensorSequences(SequenceSet):
+    """Sequences held in memory (the self-distilled rows).
 
     Attributes:
-        sequences: (N, L) long token ids.
-        loss_mask: (N, L) bool, True for tokens that may start a window or be a target (the
-            ``mask`` of :func:`circuits_llm.loss.mtp_loss`); None: every token.
+        sequences: (N, L) int64 token ids.
+        loss_mask: (N, L) bool, or None for every token.
     """
 
     sequences: Tensor
@@ -49,26 +79,55 @@ class SequenceSet:
         return int(self.sequences.shape[0])
 
     def rows(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
-        """``(tokens (b, L), mask (b, L) or None)`` for the row indices ``index`` (b,)."""
         mask = None if self.loss_mask is None else self.loss_mask[index]
         return self.sequences[index], mask
 
 
-def _split_stream(split: Split, root: Path, max_bytes: int | None) -> Tensor:
-    """The packed stream of ``split`` of the corpus at ``root`` (a clear error when it is empty)."""
-    name, share = {Split.TRAIN: ("training", "about 90%"),
-                   Split.VALIDATION: ("validation", "about 5%")}[split]
-    files = corpus_files(split, root)
-    if not files:
-        raise TrainingConfigError(
-            f"the corpus {root} has no {name} files (.py files whose path hash puts them in the "
-            f"{split.value} split: {share} of them); give --corpus-root a directory with more "
-            ".py files")
-    return pack(files, max_bytes=max_bytes)
+@dataclass(frozen=True)
+class StreamWindows(SequenceSet):
+    """Windows of a memory-mapped token stream: window ``i`` is ``ids[i*stride : i*stride+length]``.
+
+    Attributes:
+        stream: the tokens.
+        length: tokens per window (``seq_len``).
+        stride: start-to-start distance (1: every window; ``length``: disjoint windows).
+        count: number of windows (at most the number that fit).
+    """
+
+    stream: TokenStream
+    length: int
+    stride: int
+    count: int
+
+    def __post_init__(self) -> None:
+        fits = (len(self.stream) - self.length) // self.stride + 1 if len(self.stream) >= \
+            self.length else 0
+        if not 0 <= self.count <= fits:
+            raise ValueError(f"{self.count} windows of {self.length} tokens (stride {self.stride}) "
+                             f"do not fit in a stream of {len(self.stream)} tokens")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def rows(self, index: Tensor) -> tuple[Tensor, None]:
+        return self.stream.windows(index.reshape(-1).long() * self.stride, self.length), None
 
 
-def _streams(config: HeadTrainingConfig, root: Path | None) -> tuple[Tensor, Tensor]:
-    """The packed training stream (capped at ``max_train_bytes``) and validation stream.
+# ---------------------------------------------------------------------------- tokenised streams
+def training_tokenizer(model: PreTrainedModel, tokenizer: TextTokenizer | None) -> TextTokenizer:
+    """``tokenizer`` or the model's own, checked to fit the model (see the module docstring)."""
+    try:
+        chosen = tokenizer_for(model) if tokenizer is None else tokenizer
+        check_vocabulary(chosen, model)
+    except TokenizerError as error:
+        raise TrainingConfigError(str(error)) from None
+    return chosen
+
+
+def training_streams(config: HeadTrainingConfig, tokenizer: TextTokenizer, root: Path | None = None,
+                     cache_dir: Path | None = None, progress: bool = False,
+                     ) -> tuple[TokenStream, TokenStream]:
+    """The training stream (capped at ``max_train_bytes`` tokens) and the validation stream.
 
     Raises:
         TrainingConfigError: the corpus directory is missing, a split has no files, or a split
@@ -76,71 +135,31 @@ def _streams(config: HeadTrainingConfig, root: Path | None) -> tuple[Tensor, Ten
             the message names the corpus and what to change.
     """
     root = stdlib_root() if root is None else Path(root)
-    if not root.is_dir():
-        raise TrainingConfigError(f"the corpus directory {root} does not exist; give --corpus-root "
-                                  "a directory of .py files")
-    train = _split_stream(Split.TRAIN, root, config.max_train_bytes)
-    if train.numel() < config.seq_len + 1:  # max_train_bytes >= seq_len + 1: the corpus is short
+    try:
+        train = tokenized_split(tokenizer, Split.TRAIN, root, cache_dir, progress)
+        validation = tokenized_split(tokenizer, Split.VALIDATION, root, cache_dir, progress)
+    except CorpusError as error:
+        raise TrainingConfigError(str(error)) from None
+    train = train.head(config.max_train_bytes)
+    if len(train) < config.seq_len + 1:  # max_train_bytes >= seq_len + 1: the corpus is short
         raise TrainingConfigError(
-            f"the training split of the corpus {root} has {train.numel()} tokens, fewer than one "
+            f"the training split of the corpus {root} has {len(train)} tokens, fewer than one "
             f"sequence of seq_len + 1 = {config.seq_len + 1}; add .py files to the corpus or "
             "lower --seq-len")
     needed = config.eval_windows * config.seq_len
-    validation = _split_stream(Split.VALIDATION, root, needed)
-    if validation.numel() < needed:
+    if len(validation) < needed:
         raise TrainingConfigError(
-            f"the validation split of the corpus {root} has {validation.numel()} tokens, fewer "
+            f"the validation split of the corpus {root} has {len(validation)} tokens, fewer "
             f"than eval_windows * seq_len = {needed}; lower --eval-windows or --seq-len, or add "
             ".py files to the corpus")
     return train, validation
 
 
-def corpus_sets(config: HeadTrainingConfig, root: Path | None = None,
+def corpus_sets(config: HeadTrainingConfig, train: TokenStream, validation: TokenStream,
                 ) -> tuple[SequenceSet, SequenceSet]:
-    """``(train, validation)`` windows of the stdlib corpus (see the module docstring)."""
-    train, validation = _streams(config, root)
-    return (SequenceSet(train.unfold(0, config.seq_len, 1)),
-            SequenceSet(validation[:config.eval_windows * config.seq_len].view(-1, config.seq_len)))
-
-
-def _distill_key(config: HeadTrainingConfig, model: PreTrainedModel) -> dict[str, object]:
-    names = ("seed", "seq_len", "distill_samples", "distill_prompt_len", "distill_temperature",
-             "eval_windows", "max_train_bytes")
-    return {**{name: getattr(config, name) for name in names}, "model": model_fingerprint(model)}
-
-
-def _continue(decoder: AutoregressiveDecoder, prompts: Tensor, config: HeadTrainingConfig,
-              generator: torch.Generator, label: str, progress: bool) -> Tensor:
-    """(N, P) prompts -> (N, P + R) prompt + R sampled tokens of the decoder's model."""
-    rows = []
-    iterator = prompts
-    if progress:
-        from tqdm import tqdm
-        iterator = tqdm(prompts, desc=f"self-distil {label}", unit="seq", dynamic_ncols=True)
-    for prompt in iterator:
-        result = decoder.generate(prompt, config.response_len,
-                                  temperature=config.distill_temperature, generator=generator)
-        rows.append(torch.cat([prompt, result.tokens.to(prompt.device)]))
-    return torch.stack(rows)
-
-
-def generate_self_distilled(model: PreTrainedModel, config: HeadTrainingConfig,
-                            root: Path | None = None, progress: bool = False,
-                            ) -> tuple[Tensor, Tensor]:
-    """``(train (distill_samples, L), validation (eval_windows, L))`` self-distilled sequences."""
-    train, validation = _streams(config, root)
-    prompt_len = config.distill_prompt_len
-    picker = torch.Generator().manual_seed(config.seed)
-    starts = torch.randint(0, train.numel() - prompt_len + 1, (config.distill_samples,),
-                           generator=picker)
-    train_prompts = torch.stack([train[s:s + prompt_len] for s in starts.tolist()])
-    val_prompts = validation.view(-1, config.seq_len)[:, :prompt_len]
-    decoder = AutoregressiveDecoder(model)
-    sampler = torch.Generator(device=decoder.device).manual_seed(config.seed)
-    with torch.no_grad():
-        train_rows = _continue(decoder, train_prompts, config, sampler, "train", progress)
-        val_rows = _continue(decoder, val_prompts, config, sampler, "validation", progress)
-    return train_rows.cpu(), val_rows.cpu()
+    """``(train, validation)`` corpus windows (see the module docstring)."""
+    return (StreamWindows(train, config.seq_len, 1, len(train) - config.seq_len + 1),
+            StreamWindows(validation, config.seq_len, config.seq_len, config.eval_windows))
 
 
 def _response_mask(sequences: Tensor, prompt_len: int) -> Tensor:
@@ -150,42 +169,47 @@ def _response_mask(sequences: Tensor, prompt_len: int) -> Tensor:
     return mask
 
 
-def self_distilled_sets(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: Path, *,
-                        writer: bool, root: Path | None = None, progress: bool = False,
-                        ) -> tuple[SequenceSet, SequenceSet]:
-    """Load ``run_dir/self_distilled.pt`` or generate it (only ``writer`` writes it).
+def self_distilled_sets(model: PreTrainedModel, config: HeadTrainingConfig, tokenizer: TextTokenizer,
+                        train: TokenStream, validation: TokenStream, run_dir: Path, *,
+                        writer: bool, progress: bool = False) -> tuple[SequenceSet, SequenceSet]:
+    """``(train, validation)`` self-distilled rows, from ``run_dir``'s cache or generated into it.
 
     Raises:
         CheckpointError: the cache is corrupt or was generated with other settings or another
             model (it is left untouched).
     """
-    path = run_dir / DISTILL_FILE
-    key = _distill_key(config, model)
-    if path.exists():
-        cached = load_checkpoint(path, DISTILL_KIND)
-        if cached.get("key") != key:
-            raise CheckpointError(
-                f"{path} was generated with other settings or another model ({cached.get('key')}"
-                f" != {key}); delete it or use a new run directory")
-        train, validation = cached["train"], cached["validation"]
-        expected = [(config.distill_samples, config.seq_len), (config.eval_windows, config.seq_len)]
-        if [tuple(train.shape), tuple(validation.shape)] != expected:
-            raise CheckpointError(f"{path} holds sequences of the wrong shape; the file is corrupt")
-    else:
-        train, validation = generate_self_distilled(model, config, root, progress and writer)
-        if writer:
-            save_checkpoint(path, DISTILL_KIND, {"key": key, "train": train,
-                                                 "validation": validation})
+    rows_train, rows_validation = self_distilled_rows(
+        model, plan(model, tokenizer, config, train, validation), run_dir, writer=writer,
+        progress=progress)
     prompt_len = config.distill_prompt_len
-    return (SequenceSet(train, _response_mask(train, prompt_len)),
-            SequenceSet(validation, _response_mask(validation, prompt_len)))
+    return (TensorSequences(rows_train, _response_mask(rows_train, prompt_len)),
+            TensorSequences(rows_validation, _response_mask(rows_validation, prompt_len)))
 
 
 def training_sets(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: Path, *,
                   writer: bool, root: Path | None = None, progress: bool = False,
+                  tokenizer: TextTokenizer | None = None, cache_dir: Path | None = None,
                   ) -> tuple[SequenceSet, SequenceSet]:
-    """``(train, validation)`` for ``config.data``."""
+    """``(train, validation)`` for ``config.data``, in the tokens of ``tokenizer`` (default: the
+    model's own; see the module docstring). ``cache_dir``: the corpus cache
+    (:func:`circuits_llm.corpus.corpus_cache_dir` by default)."""
+    chosen = training_tokenizer(model, tokenizer)
+    train, validation = training_streams(config, chosen, root, cache_dir, progress)
     if config.data is DataSource.SELF_DISTILLED:
-        return self_distilled_sets(model, config, run_dir, writer=writer, root=root,
-                                   progress=progress)
-    return corpus_sets(config, root)
+        return self_distilled_sets(model, config, chosen, train, validation, Path(run_dir),
+                                   writer=writer, progress=progress)
+    return corpus_sets(config, train, validation)
+
+
+def training_token_counts(data: SequenceSet, vocab_size: int) -> TokenCounts:
+    """How often every id occurs where the head is trained: the token stream a corpus's windows
+    cover, or the loss-masked tokens of in-memory sequences (the self-distilled responses); any
+    other :class:`SequenceSet` is read row by row."""
+    if isinstance(data, StreamWindows):
+        covered = 0 if data.count == 0 else (data.count - 1) * data.stride + data.length
+        return token_counts(np.asarray(data.stream.ids[:covered]), vocab_size)
+    if isinstance(data, TensorSequences):
+        tokens = data.sequences if data.loss_mask is None else data.sequences[data.loss_mask]
+        return token_counts(tokens, vocab_size)
+    rows = torch.arange(len(data))
+    return token_counts((data.rows(chunk)[0] for chunk in rows.split(256)), vocab_size)

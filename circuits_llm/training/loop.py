@@ -69,6 +69,17 @@ def _locked(run_dir: Path, context: DistributedContext) -> Iterator[None]:
             lock.release()
 
 
+def _summary(trainer: Trainer) -> str:
+    """One line: the head's size against its budget, and the largest peak memory of a step."""
+    size, peak = trainer.plan.size, trainer.peak_memory()
+    share = size.parameters / size.backbone_parameters
+    coverage = "" if trainer.draft_coverage is None else \
+        f", covering {trainer.draft_coverage:.1%} of the training tokens"
+    memory = "no step run" if peak["mib"] is None else f"{peak['mib']:,.1f} MiB ({peak['kind']})"
+    return (f"{trainer.plan.describe()}: {size.parameters:,} parameters, {share:.2%} of the "
+            f"backbone{coverage}; peak memory of a step: {memory}")
+
+
 def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str | Path, *,
                max_seconds: float | None = None, max_steps: int | None = None,
                progress: bool = True, corpus_root: Path | None = None,
@@ -85,7 +96,7 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
         max_seconds: return after about this many seconds of this call (the checkpoint and the
             export hold the state reached; call again to continue).
         max_steps: stop once this many steps are done in total (at most ``config.steps``).
-        progress: show a progress bar (loss, bytes/s, ETA) on rank 0.
+        progress: show a progress bar (loss, tokens/s, peak step memory, ETA) on rank 0.
         corpus_root: the corpus directory (default: this interpreter's standard library).
         resume_from: resume from this checkpoint file instead of ``run_dir/checkpoint.pt``
             (e.g. ``checkpoint.prev.pt`` when the latest fails its checksum); it must belong to
@@ -94,6 +105,12 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
             writes a checkpoint and returns with ``interrupted_by`` set (no export); a second
             raises :class:`TrainingInterrupted` at once. Off by default: a library call leaves
             the process's signal handling alone unless asked.
+
+    The head's size (rank, draft vocabulary ``K``) is chosen within ``config.head_budget`` of the
+    model's parameters unless the config fixes it (:func:`~circuits_llm.training.build.plan_head`);
+    ``training.json`` records the choice (``head_size``), the share of training tokens the draft
+    vocabulary covers (``draft_vocab_coverage``) and the largest peak memory of a step
+    (``peak_step_memory``; per validation period in ``history``).
 
     Returns:
         :class:`HeadTrainingResult`; ``finished`` tells whether ``config.steps`` were reached.
@@ -134,13 +151,18 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
         with StopSignals(handle_signals, _COMMAND) as signals:
             try:
                 with _locked(run_dir, context):
-                    trainer.restore(resume_from)
+                    found = trainer.read_checkpoint(resume_from)  # refused before data are made
                     train, validation = training_sets(model, config, run_dir,
                                                       writer=context.is_writer, root=corpus_root,
                                                       progress=trainer.progress)
+                    trainer.build_head(train)  # its draft vocabulary: the data's frequent tokens
+                    trainer.restore(found)
                     with signals.deferred():
-                        return trainer.run(train, validation, started, max_seconds, max_steps,
-                                           signals)
+                        result = trainer.run(train, validation, started, max_seconds, max_steps,
+                                             signals)
+                    if trainer.progress:
+                        _notify(_summary(trainer))
+                    return result
             except TrainingInterrupted as stop:
                 raise TrainingInterrupted(stop.signal, trainer.interrupted(stop),
                                           second=stop.second) from None

@@ -149,7 +149,7 @@ def record_config(record: dict[str, Any], source: Path) -> HeadTrainingConfig:
         raise CheckpointError(f"{source} holds an invalid training config: {error}") from None
 
 
-def load_trained_head(run_dir: str | Path, model: PreTrainedModel,
+def load_trained_head(run_dir: str | Path, model: PreTrainedModel, *, compile: bool = False,
                       ) -> tuple[MTPHead, HFBackbone]:
     """Rebuild a trained head and its backbone (with the LoRA adapter) for decoding.
 
@@ -157,6 +157,8 @@ def load_trained_head(run_dir: str | Path, model: PreTrainedModel,
         run_dir: a directory written by ``train_head`` (its ``training.json``, ``head/`` and,
             with LoRA, ``adapter/``).
         model: the same causal LM the head was trained on (any device).
+        compile: a backbone with a static KV cache and compiled forwards
+            (``HFBackbone(..., compile=True)``), for ``SpeculativeDecoder(..., compile=True)``.
 
     Returns:
         ``(head, backbone)``, both in eval mode on the model's device; use them as
@@ -177,12 +179,14 @@ def load_trained_head(run_dir: str | Path, model: PreTrainedModel,
         raise TrainingConfigError(
             f"the head in {run_dir} was trained for a model with another configuration "
             f"(fingerprint {trained_for} != {config_fingerprint(model)})")
-    backbone = HFBackbone(model, lora_layers=config.lora_layers, lora_rank=config.lora_rank)
+    window = config.window
+    backbone = HFBackbone(model, lora_layers=config.lora_layers, lora_rank=config.lora_rank,
+                          compile=compile, compiled_lengths=sorted({1, window}) if compile else None)
     try:
         if config.lora_layers > 0:
             backbone.load_adapter(run_dir / ADAPTER_DIR)
         head = load_head(run_dir / HEAD_DIR, backbone.hidden_size, backbone.vocab_size,
-                            device=backbone.device)
+                         device=backbone.device, expected_fingerprint=trained_for)
     except (AdapterMismatchError, HeadConfigError, FileNotFoundError) as error:
         raise CheckpointError(f"cannot load the trained head from {run_dir}: {error}") from None
     return head.eval(), backbone.eval()

@@ -14,6 +14,13 @@ written. The checks only read tensors, so a run stays bit-identical to one witho
 DDP the loss and gradient checks see all-reduced values, so every rank stops at the same step; an
 invalid output is seen by the rank that computed it, whose exit makes torchrun stop the others
 (rank 0 cannot have saved the step: it waits for that rank's gradients).
+
+The head is sized when the trainer is made (:func:`~circuits_llm.training.build.plan_head`: within
+``head_budget`` of the backbone by default) and built once the training data are known
+(:meth:`Trainer.build_head`: its draft vocabulary is the data's most frequent tokens). Every step's
+peak memory is measured (:class:`~circuits_llm.training.memory.StepMemory`: CUDA's peak
+allocation, or the process's peak resident memory on CPU) and reported in the history, the
+progress bar and ``training.json``.
 """
 
 from __future__ import annotations
@@ -36,15 +43,12 @@ from circuits_llm.checkpoint import CheckpointError, CheckpointWriteError, save_
 from circuits_llm.heads import MTPHead
 from circuits_llm.heads.io import head_tensors
 from circuits_llm.loss import default_gamma, mtp_loss
-from circuits_llm.training.build import (
-    build_backbone,
-    build_head,
-    head_fingerprint,
-    model_fingerprint,
-)
+from circuits_llm.models import backbone_identity
+from circuits_llm.training.build import build_backbone, build_head, head_fingerprint, plan_head
 from circuits_llm.training.config import HeadTrainingConfig
-from circuits_llm.training.datasets import SequenceSet
+from circuits_llm.training.datasets import SequenceSet, training_token_counts
 from circuits_llm.training.distributed import DistributedContext
+from circuits_llm.training.memory import StepMemory
 from circuits_llm.training.results import (
     HeadTrainingResult,
     PositionValidation,
@@ -104,46 +108,82 @@ class Trainer:
         self.progress = progress and context.is_writer
         torch.manual_seed(config.seed)  # the LoRA initialisation draws from the global RNG
         self.backbone = build_backbone(model, config)
-        self.head = build_head(config, self.backbone)
+        self.plan = plan_head(config, self.backbone)  # sized and checked; built with the data
         self.device = self.backbone.device
         self.gamma = default_gamma(config.window) if config.gamma is None else config.gamma
-        self.draft = DraftModel(self.backbone, self.head, self.gamma, config.bf16)
-        self.parameters = [p for p in self.head.parameters() if p.requires_grad] + \
-            self.backbone.draft_parameters()
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate,
-                                           weight_decay=config.weight_decay)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = backbone_identity(model)
+        self.memory = StepMemory(self.device)
         self.step, self.elapsed = 0, 0.0
         self.history: list[dict[str, Any]] = []
         self.recent_losses: list[float] = []
+        self.recent_peak = 0  # the largest step peak since the last validation (bytes)
+        self.last_peak = 0  # the last step's peak (bytes)
         self.initial: PositionValidation | None = None
         self.saved_step: int | None = None  # the step of the checkpoint on disk, if any
         self._saved_marker: tuple[int, int] | None = None  # (step, history length) on disk
+        #: the share of training tokens inside the head's draft vocabulary (None: not compressed)
+        self.draft_coverage: float | None = None
+        # made by build_head, once the training data are known
+        self.head: MTPHead
+        self.draft: DraftModel
+        self.parameters: list[nn.Parameter]
+        self.optimizer: torch.optim.AdamW
+
+    def build_head(self, train: SequenceSet) -> None:
+        """Build the planned head (its draft vocabulary from ``train``'s token counts), the
+        draft model and the optimiser."""
+        counts = None
+        if self.plan.size.draft_vocab is not None:
+            counts = training_token_counts(train, self.backbone.vocab_size)
+        self.head = build_head(self.plan, self.backbone, counts)
+        if counts is not None and self.head.draft_tokens is not None:
+            self.draft_coverage = counts.coverage(self.head.draft_tokens)
+        self.draft = DraftModel(self.backbone, self.head, self.gamma, self.config.bf16)
+        self.parameters = [p for p in self.head.parameters() if p.requires_grad] + \
+            self.backbone.draft_parameters()
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=self.config.learning_rate,
+                                           weight_decay=self.config.weight_decay)
 
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpoint_path(self) -> Path:
         return self.run_dir / CHECKPOINT_FILE
 
-    def restore(self, resume_from: str | Path | None = None) -> None:
-        """Load ``checkpoint.pt`` (or ``resume_from``) if present, after checking it.
+    def read_checkpoint(self, resume_from: str | Path | None = None,
+                        ) -> tuple[dict[str, Any], Path] | None:
+        """The checkpoint to resume from (``checkpoint.pt`` or ``resume_from``), checked against
+        this run's config and model, or None for a fresh run. Needs no head.
 
         Raises:
-            CheckpointError: a file failing its checksum, another config, another model or head
-                structure, or an exported run whose checkpoint is missing. Nothing is written.
+            CheckpointError: a file failing its checksum, another config or another model, or
+                an exported run whose checkpoint is missing. Nothing is written.
         """
         source = checkpoint_source(self.run_dir, self.config, resume_from)
         if source is None:
-            return
+            return None
         state = read_state(source, explicit=resume_from is not None)
         check_config(record_config(state, source), self.config, source)
         if state["model_fingerprint"] != self.fingerprint:
             raise CheckpointError(f"{source} was written while training against "
                                   "another model (its config or LM head weights differ)")
+        return state, Path(source)
+
+    def restore(self, found: tuple[dict[str, Any], Path] | None) -> None:
+        """Load a checkpoint of :meth:`read_checkpoint` into the built head, the LoRA layers,
+        the optimiser and the generators (nothing for None).
+
+        Raises:
+            CheckpointError: the checkpoint holds a head of another structure (e.g. a changed
+                circuit file or draft vocabulary size), or is corrupt. Nothing is written.
+        """
+        if found is None:
+            return
+        state, source = found
         if state["head_fingerprint"] != head_fingerprint(self.head):
-            raise CheckpointError(f"{source} holds a head of another structure "
-                                  "(was the circuit file changed?)")
+            raise CheckpointError(f"{source} holds a head of another structure (was the circuit "
+                                  "file, or the training data that choose its draft vocabulary, "
+                                  "changed?)")
         try:
             self._load_tensors(state)
             self.optimizer.load_state_dict(state["optimizer"])
@@ -155,7 +195,7 @@ class Trainer:
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self.history, self.recent_losses = list(state["history"]), list(state["recent_losses"])
         self.initial = PositionValidation.from_dict(state["initial_validation"])
-        if Path(source) == self.checkpoint_path:
+        if source == self.checkpoint_path:
             self.saved_step, self._saved_marker = self.step, (self.step, len(self.history))
 
     def _load_tensors(self, state: dict[str, Any]) -> None:
@@ -248,11 +288,12 @@ class Trainer:
         train_loss = sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses \
             else None
         entry = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed,
-                 "train_loss": train_loss, "validation": result.to_dict()}
+                 "train_loss": train_loss, "validation": result.to_dict(),
+                 "peak_step_memory_bytes": self.recent_peak or None}
         if self.context.enabled:  # DDP keeps the replicas equal: check it at every validation
             entry["replica_max_abs_diff"] = self.context.replica_difference(self.parameters)
         self.history.append(entry)
-        self.recent_losses = []
+        self.recent_losses, self.recent_peak = [], 0
         return result
 
     @property
@@ -271,9 +312,10 @@ class Trainer:
         rows = torch.randint(0, len(data), (config.batch_size,), generator=self.generator)
         tokens, mask = data.rows(self.context.shard(rows))
         mask = None if mask is None else mask.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.memory.start()
         with self.valid_outputs(self.step + 1):
             loss, _, _ = module(tokens.to(self.device), mask)
-        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if config.grad_clip is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.grad_clip))
@@ -286,6 +328,8 @@ class Trainer:
                 f"the gradient norm is {norm}"
             raise self.non_finite(self.step + 1, what)
         self.optimizer.step()
+        self.last_peak = self.memory.peak()  # forward, backward and update
+        self.recent_peak = max(self.recent_peak, self.last_peak)
         self.step += 1
         return mean_loss
 
@@ -368,7 +412,8 @@ class Trainer:
                     rate = (self.step - session_first) * config.batch_size * config.seq_len / \
                         max(time.perf_counter() - session_start, 1e-9)
                     bar.set_postfix(loss=f"{loss:.3f}", val_bits=f"{latest.mean_bits:.3f}",
-                                    bytes_s=f"{rate:,.0f}")
+                                    tokens_s=f"{rate:,.0f}",
+                                    peak_mib=f"{self.last_peak / 2 ** 20:,.0f}")
                     bar.update(1)
         session_seconds = time.perf_counter() - session_start
         if interrupted is None and latest.step != self.step:
@@ -403,6 +448,14 @@ class Trainer:
                 f"{self.kept()}; free disk space and run the same command again to export it") \
                 from None
 
+    def peak_memory(self) -> dict[str, Any]:
+        """The largest step peak of the run (every validation period, this session's steps since
+        the last one included): ``{"bytes", "mib", "kind", "device"}`` (bytes None before any
+        step)."""
+        peak = max(_peak(self.history), self.recent_peak)
+        return {"bytes": peak or None, "mib": round(peak / 2 ** 20, 1) if peak else None,
+                "kind": self.memory.kind.value, "device": str(self.device)}
+
     def record(self, latest: PositionValidation) -> dict[str, Any]:
         """The contents of ``training.json``."""
         assert self.initial is not None
@@ -410,9 +463,16 @@ class Trainer:
                 "step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed,
                 "world_size": self.context.world_size, "model_fingerprint": self.fingerprint,
                 "head_parameters": self.head.num_parameters(),
+                "head_size": self.plan.size.to_dict(),
+                "draft_vocab_coverage": self.draft_coverage,
+                "peak_step_memory": self.peak_memory(),
                 "lora_parameters": sum(p.numel() for p in self.backbone.draft_parameters()),
                 "validation": latest.to_dict(), "initial_validation": self.initial.to_dict(),
                 "history": self.history}
+
+
+def _peak(entries: list[dict[str, Any]]) -> int:
+    return max((int(e.get("peak_step_memory_bytes") or 0) for e in entries), default=0)
 
 
 def _gradient_norm(parameters: list[nn.Parameter]) -> float:

