@@ -38,7 +38,7 @@ from torch import Tensor
 from circuits.compiled import CompiledCircuit
 from circuits.compiled.layers import Semiring
 from circuits.compiled.prepared import Trace
-from circuits.compiled.queries import all_conditionals
+from circuits.compiled.queries import row_conditionals
 from circuits.compiled.sampling import argmax_chooser, descend
 from circuits.kernels import GumbelChooser, use_backend
 from circuits_llm.warping import DecoderError, SamplingConfig, warp_logits
@@ -284,21 +284,21 @@ class RoundProgram:
 
     def _conditionals(self, prepared: object, states: Tensor) -> Tensor:
         """``q(X_k | X_0, d_1..d_{k-1})`` for ``k = 1..n-1`` of each window in ``states``
-        (B, n) draft-vocabulary indices sharing ``prepared`` (batch 1): (B, n-1, K) float64.
+        (B, n) draft-vocabulary indices sharing ``prepared`` (one parameter set): (B, n-1, K)
+        float64.
 
-        One bottom-up and one derivative pass over the ``B (n-1)`` prefixes
-        (:func:`~circuits.compiled.queries.all_conditionals`)."""
+        One bottom-up and one derivative pass over the ``B (n-1)`` prefixes; row ``k`` mixes
+        only ``X_k``'s input units (:func:`~circuits.compiled.queries.row_conditionals`)."""
         batch, n = states.shape
         device = states.device
         rows = states.repeat_interleave(n - 1, dim=0)  # (B (n-1), n)
         steps = torch.arange(n, device=device)
         prefix = steps[None, :] < torch.arange(1, n, device=device)[:, None]  # (n-1, n)
-        shared = prepared.expand(batch * (n - 1))  # type: ignore[attr-defined]
-        probs = all_conditionals(self.circuit, rows, prefix.repeat(batch, 1), shared,
-                                 self.draft_size)  # (B (n-1), n, K)
-        picked = probs.view(batch, n - 1, n, -1)[:, torch.arange(n - 1, device=device),
-                                                 torch.arange(1, n, device=device)]
-        picked = picked.double()
+        # the one parameter set serves every row (no per-row copies of the input tables)
+        queried = torch.arange(1, n, device=device).repeat(batch)  # X_k for the k-th prefix
+        picked = row_conditionals(self.circuit, rows, prefix.repeat(batch, 1), prepared,
+                                  self.draft_size, queried)  # (B (n-1), K)
+        picked = picked.view(batch, n - 1, -1).double()
         return picked / picked.sum(-1, keepdim=True)
 
     def conditionals(self, hidden: Tensor, c: int, drafts: Tensor) -> Tensor:
@@ -339,20 +339,42 @@ class RoundProgram:
         warped = warp_logits(logits, self.config)
         ok = torch.isfinite(warped.amax(-1)).all()
         p = torch.softmax(warped.double(), -1)  # (n, V)
-        if self.draft_tokens is None:
-            q_full = q
-        else:
-            q_full = p.new_zeros(drafted, self.vocab_size).index_copy_(1, self.draft_tokens, q)
-        law = round_law(p, q_full, tokens)
         tests = uniforms[-self.window:]
-        accepted = torch.cumprod((tests[:drafted] < law.accept).long(), 0).sum()
-        row = law.fallback.index_select(0, accepted[None])[0]
+        accepted, row = self._decide(p, q, tokens, tests[:drafted])
         cdf = row.cumsum(0)
         token = torch.searchsorted(cdf, (tests[drafted] * cdf[-1])[None], right=True)[0]
         token = token.clamp(max=self.vocab_size - 1)
         # never a zero-probability token through rounding at the top of the CDF
         token = torch.where(row.index_select(0, token[None])[0] > 0, token, row.argmax())
         return accepted, token, ok
+
+    def _decide(self, p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`round_law`'s decisions, computing only what one round reads.
+
+        ``p`` (n, V) float64 target probabilities, ``q`` (n-1, K) the draft's conditionals over
+        the draft vocabulary, ``tokens`` (n-1,) the drafts (model ids), ``tests`` (n-1,) uniforms
+        -> (the number of accepted drafts (), the law of the emitted token (V,)). The same
+        acceptance ratios as :func:`round_law`; of its fallback rows only the one that is used
+        (the residual after the first rejection, or ``p_n``) is built, so a round touches ``V``
+        entries once instead of ``(n-1) V`` times (large vocabularies)."""
+        drafted = tokens.shape[0]
+        q = q.double()
+        q = torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
+        index = tokens if self.position is None else self.position[tokens]  # draft indices
+        rows = torch.arange(drafted, device=p.device)
+        p_d, q_d = p[rows, tokens], q[rows, index]
+        ratio = torch.where(q_d > 0, p_d / torch.where(q_d > 0, q_d, 1.0), 0.0).clamp(max=1.0)
+        accepted = torch.cumprod((tests < ratio).long(), 0).sum()
+        p_row = p.index_select(0, accepted[None])[0]  # (V,)
+        q_row = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, accepted[None])[0]
+        if self.draft_tokens is None:
+            residual = (p_row - q_row).clamp_min(0)
+        else:  # q = 0 outside the draft vocabulary: the residual is p there
+            inside = (p_row.index_select(0, self.draft_tokens) - q_row).clamp_min(0)
+            residual = p_row.index_copy(0, self.draft_tokens, inside)
+        mass = residual.sum()
+        residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p_row)
+        return accepted, torch.where(accepted == drafted, p_row, residual)
 
     @staticmethod
     def outcome(packed: Tensor) -> RoundOutcome:

@@ -222,6 +222,33 @@ def test_log_conditional_full_vectors_for_several_variables(circuit: Circuit, se
     np.testing.assert_allclose(as_numpy(got.exp().sum(-1)), 1.0, atol=1e-12)
 
 
+@settings(max_examples=40)
+@given(circuit=any_circuits(), seed=seeds, shared_set=st.booleans())
+def test_row_conditionals_query_one_variable_per_row(circuit: Circuit, seed: int,
+                                                     shared_set: bool) -> None:
+    """What the speculative round's prefix conditionals use: row ``b`` asks about its own
+    variable only, on the module's parameters or on one external set shared by every row."""
+    from circuits.compiled.queries import row_conditionals
+    rng = np.random.default_rng(seed)
+    compiled = compile64(circuit)
+    ex = Exact.of(compiled)
+    first = int(rng.choice(list(ex.scope)))
+    size = circuit.num_categories[first]
+    candidates = [v for v in ex.scope if circuit.num_categories[v] == size]
+    rows = 5
+    query = [int(v) for v in rng.choice(candidates, size=rows)]
+    x = random_rows(ex, rng, rows, positive=True)
+    mask = random_mask(rng, rows, circuit.num_variables)
+    mask[np.arange(rows), query] = False
+    params = compiled.internal_parameters(1) if shared_set else None
+    prepared = compiled.resolve_params(params, 1 if shared_set else None)
+    got = row_conditionals(compiled, torch.tensor(x), torch.tensor(mask), prepared, size,
+                           torch.tensor(query))
+    got = got / got.sum(-1, keepdim=True)
+    expected = np.stack([ex.conditional(x[b], mask[b], query[b]) for b in range(rows)])
+    np.testing.assert_allclose(as_numpy(got), expected, rtol=1e-10, atol=1e-12)
+
+
 @settings(max_examples=20)
 @given(circuit=any_circuits(), seed=seeds)
 def test_log_conditional_default_queries_every_unobserved_variable(circuit: Circuit,

@@ -15,11 +15,13 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
 
 from circuits.compiled.queries import log_prefix_conditionals
 from circuits_llm.decoder import AutoregressiveDecoder, CorrectionPolicy, DecoderError, SpeculativeDecoder
-from circuits_llm.round import RoundProgram
+from circuits_llm.round import RoundProgram, round_law
 from circuits_llm.warping import SamplingConfig
 
 EXACT_TV = 1e-9
@@ -73,6 +75,35 @@ def test_program_conditionals_equal_the_prefix_query() -> None:
         raw = {k: v.expand(3, *v.shape[1:]) for k, v in head(hidden).items()}
         reference = log_prefix_conditionals(head.circuit, x, None, raw)[:, 1:].exp()
     torch.testing.assert_close(ours, reference.double(), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**31 - 1), compressed=st.booleans(), zero_row=st.booleans())
+def test_accept_decisions_equal_the_round_law(seed: int, compressed: bool, zero_row: bool) -> None:
+    """The accept program builds one fallback row, not all of them: its decision and the law of
+    the emitted token equal :func:`round_law`'s, with q = 0 outside a compressed vocabulary, q
+    entries of zero (never accepted) and a non-finite q row (impossible evidence)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab, window = 9, 4
+    tokens = (4, 0, 7, 2, 8) if compressed else None
+    program = RoundProgram(ToyHead("ff", window, 1, 3, vocab, seed=seed % 97, draft_tokens=tokens),
+                           SamplingConfig(1.0))
+    size = program.draft_size
+    p = torch.softmax(3 * torch.randn(window, vocab, dtype=torch.float64, generator=generator), -1)
+    q = torch.softmax(3 * torch.randn(window - 1, size, dtype=torch.float64, generator=generator), -1)
+    q = torch.where(torch.rand(q.shape, generator=generator, dtype=torch.float64) < 0.2, 0.0, q)
+    if zero_row:
+        q[1] = torch.nan
+    index = torch.randint(0, size, (window - 1,), generator=generator)
+    drafts = index if tokens is None else torch.tensor(tokens)[index]
+    tests = torch.rand(window - 1, generator=generator, dtype=torch.float64)
+    accepted, row = program._decide(p, q, drafts, tests)
+    q_full = q if tokens is None else \
+        p.new_zeros(window - 1, vocab).index_copy(1, torch.tensor(tokens), q)
+    law = round_law(p, q_full, drafts)
+    expected = int(torch.cumprod((tests < law.accept).long(), 0).sum())
+    assert int(accepted) == expected
+    torch.testing.assert_close(row, law.fallback[expected], rtol=1e-14, atol=1e-15)
 
 
 def test_bad_draft_tokens_are_one_clear_error() -> None:

@@ -107,6 +107,8 @@ class FoldedInput(nn.Module):
         #: (F,) bool, ``~integrated``: slots whose variable can be observed
         self.register_buffer("live", ~self.integrated, persistent=False)
         self.any_integrated = any(la.integrated for la in layers)
+        #: whether some variable has several slots in this fold (static, for fixed-shape queries)
+        self.repeats_variables = len({la.variable for la in layers}) < len(layers)
         self.raw = nn.Parameter(_initial_raw(
             plan, lambda: self.family.initial_raw(plan.num_units, generator)))
 

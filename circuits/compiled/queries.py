@@ -82,6 +82,52 @@ def log_partition(circuit: CircuitCore, params: ParamsLike | None = None) -> Ten
     return value if sets is not None else value[0]
 
 
+def _input_table(module: FoldedInput, prepared: LogParameters, fold_id: int) -> Tensor | SoftmaxParts:
+    """Fold ``fold_id``'s category probabilities: ``(F, K, C)``, or ``(S, F, K, C)`` with one
+    parameter set per group of rows; or its ``SoftmaxParts`` on the triton path."""
+    table = prepared.values[fold_id]
+    if isinstance(table, SoftmaxParts):  # triton: no softmax table is ever written
+        return table
+    if isinstance(module.family, BinomialFamily):  # Bernoulli, Binomial: from logits
+        return module.family.log_table(table).exp()
+    return prepared.probs(fold_id)
+
+
+def _conditional_folds(circuit: CircuitCore, x: Tensor, observed: Tensor, prepared: LogParameters,
+                       num_categories: int
+                       ) -> tuple[Tensor, list[tuple[FoldedInput, Tensor, Tensor | SoftmaxParts]]]:
+    """One bottom-up and one derivative pass: the root's values (B,) and, per discrete input
+    fold with ``num_categories`` categories, ``(module, weight (F, B, K), table)`` with
+    ``weight = g_u / l_u`` (0 where ``g_u = 0``) and ``table`` from :func:`_input_table`."""
+    trace = Trace()
+    root = circuit.evaluate(x, observed, prepared, trace=trace)
+    grads = input_gradients(circuit, trace, prepared)
+    out = []
+    for fold_id, grad in grads.items():
+        module = circuit.folds[fold_id]
+        assert isinstance(module, FoldedInput)
+        if module.num_categories != num_categories or not module.family.discrete:
+            continue
+        leaf = trace.outputs[fold_id]  # (F, B, K) log-values l_u
+        weight = torch.where(grad > 0, grad * torch.exp(-leaf), 0.0)
+        out.append((module, weight, _input_table(module, prepared, fold_id)))
+    return root, out
+
+
+def _mixture(weight: Tensor, table: Tensor | SoftmaxParts) -> Tensor:
+    """``(F, B, K)`` unit weights x a fold's table -> ``(F, B, C)`` mixtures."""
+    if isinstance(table, SoftmaxParts):
+        return softmax_mixture(weight, table.logits, table.lse)
+    if table.dim() == 3:
+        return torch.bmm(weight, table)  # (F, B, C)
+    # one parameter set per group of batch // sets rows: (F S) batched matmuls
+    sets, fold, units, size = table.shape
+    batch = weight.shape[1]
+    per_set = table.transpose(0, 1).reshape(fold * sets, units, size)
+    grouped = weight.reshape(fold * sets, rows_per_set(batch, sets), units)
+    return torch.bmm(grouped, per_set).view(fold, batch, size)
+
+
 def all_conditionals(circuit: CircuitCore, x: Tensor, observed: Tensor,
                      prepared: LogParameters, num_categories: int) -> Tensor:
     """``(B, V, C)`` probabilities ``p(X_v = c | evidence)`` on validated inputs.
@@ -95,38 +141,50 @@ def all_conditionals(circuit: CircuitCore, x: Tensor, observed: Tensor,
     """
     batch = x.shape[0]
     with torch.no_grad():
-        trace = Trace()
-        root = circuit.evaluate(x, observed, prepared, trace=trace)
-        grads = input_gradients(circuit, trace, prepared)
-        result = torch.zeros(batch, circuit.num_variables, num_categories,
-                             dtype=root.dtype, device=root.device)
-        for fold_id, grad in grads.items():
-            module = circuit.folds[fold_id]
-            assert isinstance(module, FoldedInput)
-            if module.num_categories != num_categories or not module.family.discrete:
-                continue
-            leaf = trace.outputs[fold_id]  # (F, B, K) log-values l_u
-            weight = torch.where(grad > 0, grad * torch.exp(-leaf), 0.0)
-            table = prepared.values[fold_id]
-            if isinstance(table, SoftmaxParts):  # triton: no softmax table is ever written
-                contribution = softmax_mixture(weight, table.logits, table.lse)
-            else:
-                if isinstance(module.family, BinomialFamily):  # Bernoulli, Binomial: from logits
-                    probs = module.family.log_table(table).exp()
-                else:
-                    probs = prepared.probs(fold_id)
-                if probs.dim() == 3:
-                    contribution = torch.bmm(weight, probs)  # (F, B, C)
-                else:  # one parameter set per group of batch // sets rows: (F S) batched matmuls
-                    sets, fold, units, size = probs.shape
-                    per_set = probs.transpose(0, 1).reshape(fold * sets, units, size)
-                    grouped = weight.reshape(fold * sets, rows_per_set(batch, sets), units)
-                    contribution = torch.bmm(grouped, per_set).view(fold, batch, size)
+        root, folds = _conditional_folds(circuit, x, observed, prepared, num_categories)
+        result = torch.zeros(batch, circuit.num_variables, num_categories, dtype=root.dtype,
+                             device=x.device)
+        for module, weight, table in folds:
+            contribution = _mixture(weight, table)
             if module.any_integrated:
                 variables, contribution = module.variables[module.live], contribution[module.live]
             else:
                 variables = module.variables
             result.index_add_(1, variables, contribution.transpose(0, 1))
+    return result
+
+
+def row_conditionals(circuit: CircuitCore, x: Tensor, observed: Tensor, prepared: LogParameters,
+                     num_categories: int, variables: Tensor) -> Tensor:
+    """``(B, C)`` probabilities ``p(X_{variables[b]} = c | evidence of row b)``: one queried
+    variable per row, on validated inputs (``variables`` (B,) long, each unobserved in its row).
+
+    The same passes as :func:`all_conditionals`, but the last step mixes only the queried
+    variable's units of each row (``B K C`` multiply-adds instead of ``F B K C``): what prefix
+    conditionals need, where row ``i`` asks about the ``i``-th variable only. Fixed shapes and no
+    host synchronisation (it runs inside compiled speculative rounds). Not differentiable.
+    """
+    batch = x.shape[0]
+    rows = torch.arange(batch, device=x.device)
+    with torch.no_grad():
+        root, folds = _conditional_folds(circuit, x, observed, prepared, num_categories)
+        result = torch.zeros(batch, num_categories, dtype=root.dtype, device=x.device)
+        for module, weight, table in folds:
+            live = module.live if module.any_integrated else \
+                torch.ones_like(module.variables, dtype=torch.bool)
+            match = (module.variables[:, None] == variables[None, :]) & live[:, None]  # (F, B)
+            if isinstance(table, Tensor) and table.dim() == 4 and table.shape[0] == 1:
+                table = table[0]  # one parameter set shared by every row
+            if isinstance(table, SoftmaxParts) or table.dim() == 4 or module.repeats_variables:
+                # per-set or triton tables, or a variable in several slots: mix every slot of the
+                # fold, then keep the slots of the row's variable
+                mixed = _mixture(weight, table)  # (F, B, C)
+                mixed = torch.where(match[..., None], mixed, 0.0)
+                result += mixed.sum(0)
+            else:  # each variable has at most one slot here: gather it, mix B K C
+                where = match.long().argmax(0)  # the slot of each row's variable (0: not here)
+                unit_weight = weight[where, rows] * match.any(0)[:, None]  # (B, K)
+                result += torch.bmm(unit_weight[:, None, :], table[where]).squeeze(1)
     return result
 
 
@@ -206,11 +264,10 @@ def log_prefix_conditionals(circuit: CircuitCore, x: Tensor, order: Sequence[int
     position[order_t] = torch.arange(steps, device=x.device)
     observed = position[None, :] < torch.arange(steps, device=x.device)[:, None]  # (n, V)
     rows = x.repeat_interleave(steps, dim=0)
-    probs = all_conditionals(circuit, rows, observed.repeat(batch, 1), prepared, size)
-    picked = probs.view(batch, steps, circuit.num_variables, size)[
-        :, torch.arange(steps, device=x.device), order_t]
-    return torch.log(picked / picked.sum(-1, keepdim=True))
+    picked = row_conditionals(circuit, rows, observed.repeat(batch, 1), prepared, size,
+                              order_t.repeat(batch))
+    return torch.log(picked / picked.sum(-1, keepdim=True)).view(batch, steps, size)
 
 
 __all__ = ["all_conditionals", "log_conditional", "log_marginal", "log_partition",
-           "log_prefix_conditionals", "log_prefix_marginals"]
+           "log_prefix_conditionals", "log_prefix_marginals", "row_conditionals"]
