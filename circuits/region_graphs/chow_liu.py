@@ -36,25 +36,33 @@ WEIGHT_KEY = "weight"
 DEFAULT_NUM_BINS = 16
 
 
-def _as_data(data: Any) -> np.ndarray:
-    """``data`` as an (N, n) int64 array of values >= 0, or a RegionGraphError."""
+def _table(data: Any) -> np.ndarray:
+    """``data`` (a numpy array or torch tensor) as an (N, n) numpy array with N, n >= 1, or a
+    RegionGraphError."""
     if isinstance(data, torch.Tensor):
-        if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
-            raise RegionGraphError(f"data must hold integer categories, got a {data.dtype} tensor")
         array = data.detach().cpu().numpy()
     elif isinstance(data, np.ndarray):
         array = data
     else:
         raise RegionGraphError(
             f"data must be a numpy array or torch tensor of shape (N, n), got {type(data).__name__}")
-    if not np.issubdtype(array.dtype, np.integer):
-        raise RegionGraphError(
-            f"data must hold integer categories, got dtype {array.dtype}; bin real values into "
-            "categories first with circuits.region_graphs.chow_liu.discretize")
     if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
         raise RegionGraphError(
             f"data must have shape (N, n) with N >= 1 samples and n >= 1 variables, got "
             f"{tuple(array.shape)}")
+    return array
+
+
+def _as_data(data: Any) -> np.ndarray:
+    """``data`` as an (N, n) int64 array of values >= 0, or a RegionGraphError."""
+    if isinstance(data, torch.Tensor) and (data.is_floating_point() or data.is_complex()
+                                           or data.dtype == torch.bool):
+        raise RegionGraphError(f"data must hold integer categories, got a {data.dtype} tensor")
+    array = _table(data)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise RegionGraphError(
+            f"data must hold integer categories, got dtype {array.dtype}; bin real values into "
+            "categories first with circuits.region_graphs.chow_liu.discretize")
     if (array < 0).any():
         raise RegionGraphError("data holds negative values; categories are 0 .. K-1")
     return array.astype(np.int64, copy=False)
@@ -177,17 +185,7 @@ def discretize(data: Any, supports: Sequence[int | None],
     column's empirical quantiles, so a column with few distinct values gets fewer non-empty bins).
     ``sizes[j]`` is ``supports[j]``, or ``num_bins`` for a real column.
     """
-    if isinstance(data, torch.Tensor):
-        array = data.detach().cpu().numpy()
-    elif isinstance(data, np.ndarray):
-        array = data
-    else:
-        raise RegionGraphError(
-            f"data must be a numpy array or torch tensor of shape (N, n), got {type(data).__name__}")
-    if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
-        raise RegionGraphError(
-            f"data must have shape (N, n) with N >= 1 samples and n >= 1 variables, got "
-            f"{tuple(array.shape)}")
+    array = _table(data)
     if not (np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)):
         raise RegionGraphError(f"data must hold numbers, got dtype {array.dtype}")
     if len(supports) != array.shape[1]:
