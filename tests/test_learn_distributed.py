@@ -56,12 +56,13 @@ def train(kind: str) -> tuple[list[torch.Tensor], list[float], list[float]]:
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    """One rank with the environment torchrun gives it: fit makes (and ends) the process group."""
+    """One rank with the environment torchrun gives it: the first fit makes the process group,
+    the later ones join it (it lives until the process exits)."""
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     results = {kind: train(kind) for kind in KINDS}
-    assert not dist.is_initialized()
+    assert dist.is_initialized() and dist.get_world_size() == 2
     torch.save(results, f"{out}.{rank}")
 
 

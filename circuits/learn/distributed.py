@@ -2,8 +2,11 @@
 
 When ``torchrun`` launched the process (``RANK`` and ``WORLD_SIZE > 1`` in the environment),
 :func:`learning_context` initialises the default process group (``gloo`` on the CPU, ``nccl`` on
-CUDA); when a group is already initialised it joins it; otherwise it is a one-process context in
-which every collective is a no-op, so :func:`circuits.learn.fit` runs unchanged either way.
+CUDA) and keeps it until the process exits, so later ``fit`` calls join it; when a group is
+already initialised it joins it; otherwise it is a one-process context in which every collective
+is a no-op, so :func:`circuits.learn.fit` runs unchanged either way. (A group destroyed after each
+``fit`` would race the next one: rank 0 serves the rendezvous store, and a faster rank could reach
+the old store just before rank 0 closes it.)
 
 Every rank draws the same shuffled order from an identically seeded generator and keeps its
 contiguous share of every batch (:meth:`LearningContext.shard`); EM statistics (expected counts)
@@ -13,6 +16,7 @@ a single process would take on the whole batch (up to the order of floating-poin
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -30,7 +34,8 @@ class LearningContext:
     Attributes:
         rank: global rank (0 alone).
         world_size: number of processes (1 alone).
-        owns_group: whether this context initialised the process group (and destroys it).
+        owns_group: whether this context initialised the process group (it is destroyed when
+            the process exits).
     """
 
     rank: int = 0
@@ -86,10 +91,14 @@ class LearningContext:
             dist.barrier()
 
     def close(self) -> None:
-        """Destroy the process group if this context created it."""
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self.owns_group = False
+        """End this context's use of the group: wait for every rank, so that no rank starts
+        another collective job while a slower one is still in this one."""
+        self.barrier()
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def learning_context(device: torch.device) -> LearningContext:
@@ -101,6 +110,7 @@ def learning_context(device: torch.device) -> LearningContext:
             raise InvalidInputError("WORLD_SIZE > 1 but torch.distributed is not available in this "
                                     "torch build; run a single process")
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        atexit.register(_destroy_group)
         return LearningContext(dist.get_rank(), dist.get_world_size(), owns_group=True)
     return LearningContext()
 
