@@ -70,6 +70,18 @@ class RoundLaw:
         return (reach * stop)[:, None] * self.fallback
 
 
+def usable_conditionals(q: Tensor) -> Tensor:
+    """``q`` (n-1, K) with negative entries clamped to 0 and every row that is not a finite vector
+    (evidence impossible under the circuit) replaced by zeros: such a draft is never accepted."""
+    return torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
+
+
+def acceptance_ratios(p_drafted: Tensor, q_drafted: Tensor) -> Tensor:
+    """``min(1, p_k(d_k) / q_k(d_k))`` per drafted position (0 where ``q_k(d_k) = 0``)."""
+    safe = torch.where(q_drafted > 0, q_drafted, 1.0)
+    return torch.where(q_drafted > 0, p_drafted / safe, 0.0).clamp(max=1.0)
+
+
 def round_law(p: Tensor, q: Tensor, draft: Tensor) -> RoundLaw:
     """The verification law of one round (pure; no randomness, no host synchronisation).
 
@@ -90,10 +102,9 @@ def round_law(p: Tensor, q: Tensor, draft: Tensor) -> RoundLaw:
     if p.shape[0] != drafted + 1 or q.shape != (drafted, p.shape[1]):
         raise DecoderError(f"round_law needs p (n, V), q (n-1, V), draft (n-1,); got "
                            f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(draft.shape)}")
-    q = torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
+    q = usable_conditionals(q)
     rows = torch.arange(drafted, device=p.device)
-    p_d, q_d = p[rows, draft], q[rows, draft]
-    ratio = torch.where(q_d > 0, p_d / torch.where(q_d > 0, q_d, 1.0), 0.0).clamp(max=1.0)
+    ratio = acceptance_ratios(p[rows, draft], q[rows, draft])
     residual = (p[:drafted] - q).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p[:drafted])
@@ -358,12 +369,10 @@ class RoundProgram:
         (the residual after the first rejection, or ``p_n``) is built, so a round touches ``V``
         entries once instead of ``(n-1) V`` times (large vocabularies)."""
         drafted = tokens.shape[0]
-        q = q.double()
-        q = torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
+        q = usable_conditionals(q.double())
         index = tokens if self.position is None else self.position[tokens]  # draft indices
         rows = torch.arange(drafted, device=p.device)
-        p_d, q_d = p[rows, tokens], q[rows, index]
-        ratio = torch.where(q_d > 0, p_d / torch.where(q_d > 0, q_d, 1.0), 0.0).clamp(max=1.0)
+        ratio = acceptance_ratios(p[rows, tokens], q[rows, index])
         accepted = torch.cumprod((tests < ratio).long(), 0).sum()
         p_row = p.index_select(0, accepted[None])[0]  # (V,)
         q_row = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, accepted[None])[0]
