@@ -3,7 +3,7 @@
 Run ``python -m benchmarks.circuits_bench [--quick] [--out PATH] [--no-cirkit]``.
 
 For each of four circuits (batch 256, float32, 2 torch threads) it reports, from ONE run with
-the candidates timed round-robin (medians of repeats; see :mod:`circuits_llm.timing`):
+the candidates timed round-robin (medians of repeats; see :mod:`circuits_llm.runtime.timing`):
 
 (a) folded vs the naive unfolded evaluation of the same circuit (``compile(c, fold=False)``,
     same parameters), for log-likelihood and for sampling;
@@ -55,7 +55,7 @@ from circuits.region_graphs import (
     random_binary_tree,
 )
 from circuits.templates import btree, hmm
-from circuits_llm.timing import ModuleTimer, Timing, interleaved, machine_info, publish
+from circuits_llm.runtime.timing import ModuleTimer, Timing, interleaved, machine_info, publish
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "circuits_bench.json"
@@ -144,7 +144,7 @@ def copy_parameters(source: CompiledCircuit, target: CompiledCircuit) -> None:
 
 
 def bench_machine() -> dict[str, Any]:
-    """What the numbers were measured on: :func:`circuits_llm.timing.machine_info`, the OpenMP
+    """What the numbers were measured on: :func:`circuits_llm.runtime.timing.machine_info`, the OpenMP
     wait policy and how to read the numbers."""
     return {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "note": "2 CPU cores shared with other jobs: only the ratios of one run are meaningful"}

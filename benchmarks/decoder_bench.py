@@ -16,16 +16,16 @@ reports, from ONE run, eagerly and (for ``compiled_windows`` x ``compiled_varian
 the n=16 LEAN heads) compiled: both round programs through ``torch.compile`` and the backbone
 with a static KV cache and compiled forwards, never one side compiled and the other not:
 
-* the head's cost per round as :class:`~circuits_llm.decoder.SpeculativeDecoder` pays it: the
+* the head's cost per round as :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder` pays it: the
   draft program (parameterise, normalise, draw or max-product completion, exact conditionals;
-  :class:`~circuits_llm.round.RoundProgram`) and the accept program, greedy and sampling,
+  :class:`~circuits_llm.decoding.round.RoundProgram`) and the accept program, greedy and sampling,
   against the verify forward (one ``extend`` of ``n`` tokens) and one AR step (one ``extend``
   of 1 token): medians of interleaved repeats;
-* ops per call of every phase: torch ops dispatched (eager, :func:`~circuits_llm.timing.count_ops`)
+* ops per call of every phase: torch ops dispatched (eager, :func:`~circuits_llm.runtime.timing.count_ops`)
   and kernels launched (generated kernels plus top-level aten calls, eager and compiled;
-  :func:`~circuits_llm.timing.count_kernels`; device kernels on CUDA);
-* decoding with :class:`~circuits_llm.decoder.SpeculativeDecoder` against
-  :class:`~circuits_llm.decoder.AutoregressiveDecoder` on the same backbone and prompt, greedy
+  :func:`~circuits_llm.runtime.timing.count_kernels`; device kernels on CUDA);
+* decoding with :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder` against
+  :class:`~circuits_llm.decoding.decoder.AutoregressiveDecoder` on the same backbone and prompt, greedy
   and sampling: tokens per call, throughput, speed-up;
 * the forced-acceptance upper bound (the paper's ``max_tok/s``): the same decoder on a backbone
   wrapper whose verifier agrees with every draft (:class:`ForcedAcceptance`), so each round
@@ -61,16 +61,15 @@ from transformers import LlamaForCausalLM
 
 from benchmarks.spec_tools import ForcedAcceptance
 from circuits.kernels import KernelBackend, failed_kernels, resolve_backend, use_backend
-from circuits_llm import data
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
-from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+from circuits_llm.decoding.metrics import DecodeSummary
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.heads import MTPHead
-from circuits_llm.metrics import DecodeSummary
-from circuits_llm.pretrain import ModelShape
 from circuits_llm.protocols import Backbone
-from circuits_llm.round import RoundProgram
-from circuits_llm.timing import (
+from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
+from circuits_llm.runtime.timing import (
     GradMode,
     count_kernels,
     count_ops,
@@ -81,7 +80,8 @@ from circuits_llm.timing import (
     profile_compiled_kernels,
     publish,
 )
-from circuits_llm.warping import SamplingConfig
+from circuits_llm.text import byte_level as data
+from circuits_llm.training.pretrain import ModelShape
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decoder_bench.json"
@@ -100,7 +100,7 @@ EAGER_OPS_TARGET = 100
 class BenchConfig:
     """Sizes and budgets of one benchmark run (defaults: the full run).
 
-    ``device`` takes any ``--device`` form (:mod:`circuits_llm.devices`); :func:`run_benchmark`
+    ``device`` takes any ``--device`` form (:mod:`circuits_llm.runtime.devices`); :func:`run_benchmark`
     resolves it and records the resolved device (``"cpu"``, ``"cuda:0"``) in the result.
     """
 
@@ -275,7 +275,7 @@ def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print) -> di
     """Run every measurement of ``config`` under its kernel backend; the JSON-ready result.
 
     ``config.device`` is resolved first (``auto`` -> ``cuda:0`` or ``cpu``; a CUDA device this
-    machine lacks raises :class:`~circuits_llm.devices.DeviceError`), and the run uses and records
+    machine lacks raises :class:`~circuits_llm.runtime.devices.DeviceError`), and the run uses and records
     the resolved device. On CUDA that device is made current, so the timing synchronisations wait
     for the GPU that does the work.
     """

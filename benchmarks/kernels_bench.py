@@ -41,8 +41,8 @@ from circuits.compiled.layers import FoldedSum
 from circuits.kernels import KernelBackend, log_matmul, resolve_backend, sum_child_choice, use_backend
 from circuits.kernels.softmax import softmax_mixture, softmax_stats
 from circuits.templates import btree, hmm
-from circuits_llm.devices import DeviceError, add_device_argument, describe_device, resolve_device
-from circuits_llm.timing import GradMode, interleaved, machine_info, medians, publish
+from circuits_llm.runtime.devices import DeviceError, add_device_argument, describe_device, resolve_device
+from circuits_llm.runtime.timing import GradMode, interleaved, machine_info, medians, publish
 
 SCHEMA_VERSION = 1
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels_bench.json"

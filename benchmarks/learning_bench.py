@@ -58,8 +58,8 @@ from circuits import Circuit, CompiledCircuit, compile, learn, templates
 from circuits.files import atomic_write
 from circuits.region_graphs import SumProductPattern, build_circuit, quad_tree, random_binary_tree
 from circuits.symbolic import InputLayer, ProductKind, ProductLayer, SumLayer
-from circuits_llm.report import jsonable
-from circuits_llm.timing import machine_info, publish
+from circuits_llm.app.report import jsonable
+from circuits_llm.runtime.timing import machine_info, publish
 
 SCHEMA_VERSION = 1
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -9,7 +9,7 @@ Every *cell* is a window ``n`` and a number ``k`` of LoRA draft layers. In each 
 are trained (or loaded from the study's head cache) on the embedded byte-level Llama with the
 same wall-clock budget per head kind, then the autoregressive decoder and one speculative decoder
 per head decode the same held-out prompts, greedy and sampling, interleaved prompt by prompt
-(:func:`circuits_llm.compare.compare_decoders`), so every speed-up is a ratio measured in one run.
+(:func:`circuits_llm.app.compare.compare_decoders`), so every speed-up is a ratio measured in one run.
 
 Grids:
 
@@ -40,15 +40,15 @@ from typing import Any
 import torch
 
 from circuits.files import atomic_write, atomic_write_text
-from circuits_llm import demo
-from circuits_llm import report as rep
-from circuits_llm.compare import compare_decoders
-from circuits_llm.data import evaluation_prompts
-from circuits_llm.devices import DeviceError, add_device_argument, describe_device, resolve_device
-from circuits_llm.head_cache import ReadyHead, obtain_head
-from circuits_llm.models import EMBEDDED, LoadedModel, load_byte_model
-from circuits_llm.report import DecodeMode, DecoderRow
-from circuits_llm.timing import machine_info
+from circuits_llm.app import demo
+from circuits_llm.app import report as rep
+from circuits_llm.app.compare import compare_decoders
+from circuits_llm.app.head_cache import ReadyHead, obtain_head
+from circuits_llm.app.report import DecodeMode, DecoderRow
+from circuits_llm.runtime.devices import DeviceError, add_device_argument, describe_device, resolve_device
+from circuits_llm.runtime.timing import machine_info
+from circuits_llm.text.byte_level import evaluation_prompts
+from circuits_llm.text.models import EMBEDDED, LoadedModel, load_byte_model
 
 
 class Grid(Enum):
@@ -108,7 +108,7 @@ class StudySettings:
         ff_seconds, circuit_seconds: training wall-clock per FF head / per other head (an FF step
             is far cheaper, so it converges in less time).
         prompts, new_tokens, prompt_bytes, temperature, seed: as in
-            :class:`circuits_llm.demo.ComparisonConfig`.
+            :class:`circuits_llm.app.demo.ComparisonConfig`.
     """
 
     ff_seconds: float = 90.0
@@ -143,7 +143,7 @@ def decode_cell(loaded: LoadedModel, cell: Cell, ready: list[tuple[HeadSpec, Any
                 settings: StudySettings) -> dict[str, Any]:
     """Decode the prompts with AR and every head of the cell (on the model's device); its record."""
     from circuits_llm.backbone import HFBackbone
-    from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     prompts = evaluation_prompts(settings.prompts, settings.prompt_bytes)
     decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}
     decoders.update({spec.name: SpeculativeDecoder(r.backbone, r.head) for spec, r in ready})

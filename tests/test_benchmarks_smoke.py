@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is 
 
 from benchmarks import circuits_bench, cirkit_bridge
 from circuits.files import atomic_write_json
-from circuits_llm.timing import interleaved
+from circuits_llm.runtime.timing import interleaved
 
 TOP_KEYS = {"schema_version", "timestamp", "machine", "torch_version", "num_threads", "dtype",
             "batch_size", "quick", "scale", "rounds", "targets", "libcirkit", "circuits"}

@@ -17,15 +17,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from circuits import files
-from circuits_llm import demo as demo_module
-from circuits_llm import report
-from circuits_llm.cli import main
-from circuits_llm.data import decode, evaluation_prompts
-from circuits_llm.devices import describe_device, resolve_device
-from circuits_llm.head_cache import head_dir
-from circuits_llm.metrics import DecodeSummary
-from circuits_llm.models import load_byte_model, model_fingerprint
-from circuits_llm.report import DecodeMode, DecoderRow, ReportError
+from circuits_llm.app import demo as demo_module
+from circuits_llm.app import report
+from circuits_llm.app.cli import main
+from circuits_llm.app.head_cache import head_dir
+from circuits_llm.app.report import DecodeMode, DecoderRow, ReportError
+from circuits_llm.decoding.metrics import DecodeSummary
+from circuits_llm.runtime.devices import describe_device, resolve_device
+from circuits_llm.text.byte_level import decode, evaluation_prompts
+from circuits_llm.text.models import load_byte_model, model_fingerprint
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY_RUN = ["--window", "4", "--rank", "4", "--train-steps", "2", "--prompts", "2",

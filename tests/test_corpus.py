@@ -15,8 +15,10 @@ import pytest
 import torch
 from test_tokens import tiny_subword_model, tiny_tokenizer
 
-from circuits_llm import corpus as corpus_module
-from circuits_llm.corpus import (
+from circuits_llm.text import corpus as corpus_module
+from circuits_llm.text.byte_level import Split, corpus_files, pack, split_of
+from circuits_llm.text.byte_level import evaluation_prompts as byte_prompts
+from circuits_llm.text.corpus import (
     CACHE_ENV,
     CorpusError,
     TokenStream,
@@ -24,9 +26,7 @@ from circuits_llm.corpus import (
     evaluation_prompts,
     tokenized_split,
 )
-from circuits_llm.data import Split, corpus_files, pack, split_of
-from circuits_llm.data import evaluation_prompts as byte_prompts
-from circuits_llm.tokens import TextTokenizer, TokenizerKind
+from circuits_llm.text.tokens import TextTokenizer, TokenizerKind
 from circuits_llm.training import HeadTrainingConfig, TrainingConfigError
 from circuits_llm.training.datasets import (
     StreamWindows,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuits_llm.data import (
+from circuits_llm.text.byte_level import (
     VOCAB_SIZE,
     SpecialToken,
     Split,
@@ -97,11 +97,12 @@ def test_evaluation_prompts_in_a_tokenizers_ids() -> None:
     """The byte tokenizer gives the byte prompts; a subword tokenizer gives record prefixes."""
     from test_tokens import tiny_tokenizer
 
-    from circuits_llm.tokens import TextTokenizer
-    assert [p.tolist() for p in evaluation_prompts(3, 48, tokenizer=TextTokenizer.byte_level())] \
+    from circuits_llm.text.corpus import evaluation_prompts as prompts_in_ids
+    from circuits_llm.text.tokens import TextTokenizer
+    assert [p.tolist() for p in prompts_in_ids(TextTokenizer.byte_level(), 3, 48)] \
         == [p.tolist() for p in evaluation_prompts(3, 48)]
     subword = TextTokenizer.wrap(tiny_tokenizer(), "tiny")
-    prompts = [p.tolist() for p in evaluation_prompts(2, 20, tokenizer=subword)]
+    prompts = [p.tolist() for p in prompts_in_ids(subword, 2, 20)]
     heads = []
     for path in corpus_files(Split.TEST):  # the prompts are the first long files' record heads
         if len(path.read_bytes()) >= 512:

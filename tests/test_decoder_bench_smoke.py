@@ -18,7 +18,7 @@ from benchmarks.decoder_bench import (
 from benchmarks.spec_tools import ForcedAcceptance
 from circuits.files import atomic_write_json
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.decoder import SpeculativeDecoder
+from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.heads import MTPHead
 
 TINY = BenchConfig(hidden_size=16, layers=2, attention_heads=2, intermediate_size=32,
@@ -105,7 +105,7 @@ def test_kernel_backend_is_recorded_and_an_impossible_one_is_refused() -> None:
 def test_the_resolved_device_is_recorded() -> None:
     import dataclasses
 
-    from circuits_llm.devices import resolve_device
+    from circuits_llm.runtime.devices import resolve_device
 
     small = dataclasses.replace(TINY, architectures=("ff",), variants=("lean",),
                                 device="auto", kernels="torch")

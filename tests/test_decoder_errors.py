@@ -9,9 +9,9 @@ import torch
 from toy import ToyHead, ToyLM
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from circuits_llm.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
-from circuits_llm.hf_generate import speculative_generate
-from circuits_llm.warping import SamplingConfig, SamplingError, warp_logits
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
+from circuits_llm.decoding.hf_generate import speculative_generate
+from circuits_llm.decoding.warping import SamplingConfig, SamplingError, warp_logits
 
 
 @pytest.fixture

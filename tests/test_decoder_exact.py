@@ -24,15 +24,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from circuits_llm.decoder import (
+from circuits_llm.decoding.decoder import (
     AutoregressiveDecoder,
     CorrectionPolicy,
     SpeculativeDecoder,
     round_law,
 )
-from circuits_llm.metrics import RoundKind, aggregate, speedup
-from circuits_llm.round import RoundProgram
-from circuits_llm.warping import SamplingConfig, target_probs, warp_logits
+from circuits_llm.decoding.metrics import RoundKind, aggregate, speedup
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.warping import SamplingConfig, target_probs, warp_logits
 
 EXACT_TV = 1e-9
 BIASED_TV = 1e-3

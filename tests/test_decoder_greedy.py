@@ -15,9 +15,9 @@ from toy import ToyHead, ToyLM
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+from circuits_llm.decoding.hf_generate import speculative_generate
 from circuits_llm.heads import MTPHead
-from circuits_llm.hf_generate import speculative_generate
 
 VOCAB, HIDDEN, EOS = 48, 32, 47
 HEADS = [("ff", 1), ("cp", 2), ("hmm", 2), ("btree", 2)]

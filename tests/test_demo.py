@@ -1,4 +1,4 @@
-"""The main job on a subword model (``circuits_llm.demo``) and the report's round analysis.
+"""The main job on a subword model (``circuits_llm.app.demo``) and the report's round analysis.
 
 A tiny Llama over the tiny BPE tokenizer of ``test_tokens`` stands in for SmolLM2: its FF and
 BTree heads (compressed draft vocabulary) are trained for two steps on a small corpus and shipped
@@ -15,14 +15,13 @@ import pytest
 from test_corpus import write_corpus
 from test_tokens import save_model_dir, tiny_subword_model, tiny_tokenizer
 
-from circuits_llm import demo as demo_module
-from circuits_llm import head_cache as hc
-from circuits_llm import report
-from circuits_llm.corpus import CACHE_ENV
-from circuits_llm.data import evaluation_prompts
-from circuits_llm.metrics import DecodeSummary
-from circuits_llm.models import load_model
-from circuits_llm.report import DecodeMode, DecoderRow, TokenUnit
+from circuits_llm.app import demo as demo_module
+from circuits_llm.app import head_cache as hc
+from circuits_llm.app import report
+from circuits_llm.app.report import DecodeMode, DecoderRow, TokenUnit
+from circuits_llm.decoding.metrics import DecodeSummary
+from circuits_llm.text.corpus import CACHE_ENV, evaluation_prompts
+from circuits_llm.text.models import load_model
 from circuits_llm.training import train_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::circuits_llm.heads.sizing.HeadBudgetWarning")
@@ -76,7 +75,7 @@ def test_demo_on_a_subword_model_decodes_and_reports(world: dict, tmp_path: Path
     assert [t["name"] for t in result["targets"]] == [t.name for t in report.TARGETS]
     assert all(isinstance(t["met"], bool) for t in result["targets"])
     tokenizer = world["loaded"].tokenizer
-    prompt = evaluation_prompts(2, 12, tokenizer=tokenizer)[0]
+    prompt = evaluation_prompts(tokenizer, 2, 12)[0]
     assert result["sample"]["prompt"] == tokenizer.decode(prompt)
     table = (tmp_path / "out" / "table.txt").read_text()
     assert "tok/s" in table and "bytes/s" not in table and "realised/ideal" in table

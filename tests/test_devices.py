@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from benchmarks import decoder_bench, kernels_bench, study
-from circuits_llm.cli import build_parser
-from circuits_llm.cli import main as cli_main
-from circuits_llm.devices import (
+from circuits_llm.app.cli import build_parser
+from circuits_llm.app.cli import main as cli_main
+from circuits_llm.runtime.devices import (
     ACCEPTED_FORMS,
     DeviceError,
     DeviceKind,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from circuits_llm.data import VOCAB_SIZE, Split, corpus_files, pack
 from circuits_llm.embedded import EMBEDDED_MODEL_DIR, embedded_model_card, load_embedded_model
-from circuits_llm.pretrain import bits_per_byte
+from circuits_llm.text.byte_level import VOCAB_SIZE, Split, corpus_files, pack
+from circuits_llm.training.pretrain import bits_per_byte
 
 
 def test_embedded_model_loads_and_matches_its_card() -> None:

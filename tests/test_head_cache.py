@@ -1,4 +1,4 @@
-"""The head cache and the shipped heads (``circuits_llm.head_cache``), on tiny config-built models.
+"""The head cache and the shipped heads (``circuits_llm.app.head_cache``), on tiny config-built models.
 
 A tiny Llama over the tiny BPE tokenizer of ``test_tokens`` is saved as a model directory; FF and
 BTree heads with a compressed draft vocabulary are trained for two steps on a small corpus, shipped
@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from test_corpus import write_corpus
 from test_tokens import save_model_dir, tiny_subword_model, tiny_tokenizer
 
-from circuits_llm import demo as demo_module
-from circuits_llm import head_cache as hc
-from circuits_llm.corpus import CACHE_ENV
+from circuits_llm.app import demo as demo_module
+from circuits_llm.app import head_cache as hc
 from circuits_llm.heads.io import head_tensors
-from circuits_llm.models import LoadedModel, backbone_identity, load_model
+from circuits_llm.text.corpus import CACHE_ENV
+from circuits_llm.text.models import LoadedModel, backbone_identity, load_model
 from circuits_llm.training import HeadTrainingConfig, load_trained_head, train_head
 
 TINY = dict(window=3, variant="lean", draft_vocab=40, seq_len=16, batch_size=4, steps=2,

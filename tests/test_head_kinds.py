@@ -15,7 +15,7 @@ from toy import ToyLM
 
 from circuits import Categorical, Circuit, InputLayer, ProductKind, ProductLayer, SumLayer
 from circuits.errors import UnknownArchitectureError
-from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.heads import (
     HeadConfigError,
     MTPHead,

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from circuits.errors import InvalidInputError
 from circuits_llm.heads import HeadVariant, MTPHead
 from circuits_llm.heads.chunked import FullTiles, LeanTiles, TiledLogits, target_log_softmax, tiles
-from circuits_llm.loss import mtp_loss
+from circuits_llm.training.loss import mtp_loss
 
 ARCHITECTURES = ["ff", "cp", "hmm", "btree"]
 VARIANTS = [HeadVariant.FULL, HeadVariant.LEAN]

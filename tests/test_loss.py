@@ -1,4 +1,4 @@
-"""circuits_llm.loss: Eq. 4 against a brute-force per-window loop, masking, gradients, training."""
+"""circuits_llm.training.loss: Eq. 4 against a brute-force per-window loop, masking, gradients, training."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from circuits.errors import InvalidInputError
-from circuits_llm import data
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.heads import MTPHead
-from circuits_llm.loss import (
+from circuits_llm.text import byte_level as data
+from circuits_llm.training.loss import (
     default_gamma,
     mtp_loss,
     window_log_conditionals,

@@ -1,4 +1,4 @@
-"""The fixed-shape round (:mod:`circuits_llm.round`): compressed vocabularies, compiled programs.
+"""The fixed-shape round (:mod:`circuits_llm.decoding.round`): compressed vocabularies, compiled programs.
 
 * exact laws by enumeration with a compressed draft vocabulary (greedy and sampling), the
   paper's biased variant as the negative control;
@@ -20,9 +20,14 @@ from hypothesis import strategies as st
 from toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
 
 from circuits.compiled.queries import log_prefix_conditionals
-from circuits_llm.decoder import AutoregressiveDecoder, CorrectionPolicy, DecoderError, SpeculativeDecoder
-from circuits_llm.round import RoundProgram, round_law
-from circuits_llm.warping import SamplingConfig
+from circuits_llm.decoding.decoder import (
+    AutoregressiveDecoder,
+    CorrectionPolicy,
+    DecoderError,
+    SpeculativeDecoder,
+)
+from circuits_llm.decoding.round import RoundProgram, round_law
+from circuits_llm.decoding.warping import SamplingConfig
 
 EXACT_TV = 1e-9
 VOCAB = 4

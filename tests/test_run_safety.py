@@ -20,15 +20,15 @@ import torch
 from test_training import config, make_corpus, snapshot, tiny_llama, train
 
 from circuits import files
-from circuits_llm.checkpoint import (
+from circuits_llm.app.cli import main
+from circuits_llm.heads import MTPHead
+from circuits_llm.heads.projections import SumProjection
+from circuits_llm.runtime.checkpoint import (
     CheckpointError,
     inspect_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from circuits_llm.cli import main
-from circuits_llm.heads import MTPHead
-from circuits_llm.heads.projections import SumProjection
 from circuits_llm.training import (
     CHECKPOINT_FILE,
     PREVIOUS_CHECKPOINT_FILE,

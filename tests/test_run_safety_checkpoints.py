@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_run_safety import failing_fsync
 
-from circuits_llm.checkpoint import (
+from circuits_llm.runtime.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointWriteError,

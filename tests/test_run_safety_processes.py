@@ -26,8 +26,8 @@ import pytest
 from test_run_safety import assert_same_training, cli, one_error_line, step_of
 from test_training import config, make_corpus, tiny_llama, train
 
-from circuits_llm.checkpoint import CheckpointError
-from circuits_llm.cli import main
+from circuits_llm.app.cli import main
+from circuits_llm.runtime.checkpoint import CheckpointError
 from circuits_llm.training import CHECKPOINT_FILE
 from circuits_llm.training.lock import LOCK_FILE
 

@@ -18,11 +18,11 @@ from test_corpus import write_corpus
 from test_tokens import save_model_dir, tiny_subword_model, tiny_tokenizer
 from transformers import PreTrainedModel
 
-from circuits_llm.checkpoint import CheckpointError, load_checkpoint
-from circuits_llm.cli import main
-from circuits_llm.corpus import CACHE_ENV
-from circuits_llm.decoder import AutoregressiveDecoder
-from circuits_llm.tokens import TextTokenizer
+from circuits_llm.app.cli import main
+from circuits_llm.decoding.decoder import AutoregressiveDecoder
+from circuits_llm.runtime.checkpoint import CheckpointError, load_checkpoint
+from circuits_llm.text.corpus import CACHE_ENV
+from circuits_llm.text.tokens import TextTokenizer
 from circuits_llm.training import HeadTrainingConfig
 from circuits_llm.training import self_distill as sd
 from circuits_llm.training.datasets import TensorSequences, training_sets, training_streams

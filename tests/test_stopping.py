@@ -25,11 +25,11 @@ from transformers.generation.logits_process import (
 )
 
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.decoder import DecoderError, SpeculativeDecoder
+from circuits_llm.decoding.decoder import DecoderError, SpeculativeDecoder
+from circuits_llm.decoding.hf_generate import ProcessedBackbone, speculative_generate
+from circuits_llm.decoding.stopping import StopCondition, StopConditionError, eos_ids, unescape_stop
 from circuits_llm.heads import MTPHead
-from circuits_llm.hf_generate import ProcessedBackbone, speculative_generate
-from circuits_llm.stopping import StopCondition, StopConditionError, eos_ids, unescape_stop
-from circuits_llm.tokens import TextTokenizer
+from circuits_llm.text.tokens import TextTokenizer
 
 PROMPT = "def decode(self, s):\n    "
 NEW = 40

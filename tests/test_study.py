@@ -8,7 +8,7 @@ import torch
 
 from benchmarks import kernels_bench, study
 from circuits.kernels import KernelBackend
-from circuits_llm.report import DecodeMode, DecoderRow
+from circuits_llm.app.report import DecodeMode, DecoderRow
 
 
 def test_paper_grid_is_tables_6_and_7() -> None:

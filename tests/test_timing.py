@@ -1,4 +1,5 @@
-"""circuits_llm.timing: the one timing loop and the one machine record of demo, bench and benchmarks."""
+"""circuits_llm.runtime.timing: the one timing loop and the one machine record of demo, bench and
+benchmarks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuits_llm.timing import (
+from circuits_llm.runtime.timing import (
     GradMode,
     count_kernels,
     count_ops,

@@ -21,9 +21,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from circuits_llm import data, models
-from circuits_llm.cli import main
-from circuits_llm.models import (
+from circuits_llm.app.cli import main
+from circuits_llm.text import byte_level as data
+from circuits_llm.text import models
+from circuits_llm.text.models import (
     EMBEDDED,
     ModelLoadError,
     ModelSource,
@@ -33,7 +34,7 @@ from circuits_llm.models import (
     packaged_gguf,
     parse_model_reference,
 )
-from circuits_llm.tokens import (
+from circuits_llm.text.tokens import (
     ChatTemplateError,
     MissingTokenizerError,
     TextTokenizer,

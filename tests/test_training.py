@@ -13,11 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from circuits import templates
 from circuits.serialization import save_circuit
-from circuits_llm.checkpoint import load_checkpoint
-from circuits_llm.data import Split, split_of
-from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.heads import HeadVariant
 from circuits_llm.heads.io import head_tensors
+from circuits_llm.runtime.checkpoint import load_checkpoint
+from circuits_llm.text.byte_level import Split, split_of
 from circuits_llm.training import (
     CHECKPOINT_FILE,
     CheckpointError,
@@ -269,7 +269,7 @@ def test_heads_that_do_not_fit_the_model_are_clear_errors(tmp_path: Path, corpus
 
 def test_cli_reports_bad_arguments_in_one_line(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from circuits_llm.cli import main
+    from circuits_llm.app.cli import main
     status = main(["train-head", "--model", str(tmp_path / "missing"), "--run-dir",
                    str(tmp_path / "run"), "--window", "1"])
     assert status == 2

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from test_training import make_corpus, tiny_llama
 
-from circuits_llm.checkpoint import load_checkpoint
+from circuits_llm.runtime.checkpoint import load_checkpoint
 from circuits_llm.training import (
     CHECKPOINT_FILE,
     HeadTrainingConfig,

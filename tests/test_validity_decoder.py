@@ -21,15 +21,15 @@ from torch import Tensor
 from toy import ToyHead, ToyLM
 
 from circuits.errors import ParameterProblem
-from circuits_llm.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
-from circuits_llm.metrics import RoundKind
-from circuits_llm.protocols import BackboneStep
-from circuits_llm.warping import (
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
+from circuits_llm.decoding.metrics import RoundKind
+from circuits_llm.decoding.warping import (
     InvalidDistributionError,
     SamplingConfig,
     sample_token,
     target_probs,
 )
+from circuits_llm.protocols import BackboneStep
 
 VOCAB = 3
 GREEDY = SamplingConfig(0.0)

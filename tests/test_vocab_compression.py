@@ -27,17 +27,17 @@ from test_training import make_corpus, tiny_llama
 from toy import ToyLM, decoder_law, target_law, total_variation
 
 from circuits import StructureError, templates
-from circuits_llm.checkpoint import load_checkpoint
-from circuits_llm.decoder import AutoregressiveDecoder, CorrectionPolicy, SpeculativeDecoder
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, CorrectionPolicy, SpeculativeDecoder
+from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.heads import HeadConfigError, HeadVariant, MTPHead, load_head, parameter_count, save_head
 from circuits_llm.heads import vocab as vocab_module
 from circuits_llm.heads.io import head_tensors
 from circuits_llm.heads.sizing import HeadBudgetWarning, fit_head_size, kind_parameters
 from circuits_llm.heads.vocab import TokenCounts, check_draft_tokens, frequent_tokens, token_counts
-from circuits_llm.loss import mtp_loss
+from circuits_llm.runtime.checkpoint import load_checkpoint
 from circuits_llm.training import CHECKPOINT_FILE, HeadTrainingConfig, read_record, train_head
 from circuits_llm.training.build import always_drafted
-from circuits_llm.warping import SamplingConfig
+from circuits_llm.training.loss import mtp_loss
 
 VARIANTS = [HeadVariant.FULL, HeadVariant.LEAN]
 V, D = 11, 6

@@ -29,10 +29,10 @@ from torch import Tensor, nn
 
 from circuits.compiled import CompiledCircuit, compile
 from circuits.templates import build
-from circuits_llm.decoder import CorrectionPolicy, round_law, transition
+from circuits_llm.decoding.decoder import CorrectionPolicy, round_law, transition
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.warping import SamplingConfig, target_probs
 from circuits_llm.protocols import BackboneStep
-from circuits_llm.round import RoundProgram
-from circuits_llm.warping import SamplingConfig, target_probs
 
 
 class ToyLM:

@@ -3,7 +3,7 @@
 A causal LM is seen as ``embeddings -> decoder layers (a ModuleList) -> final norm -> LM head``.
 The helpers here find the decoder layer list, the final norm and the LM head generically, and decide
 which linear sub-modules of a decoder layer get LoRA adapters. (The config fingerprint that keeps
-adapters saved for one base model out of another is :func:`circuits_llm.models.config_fingerprint`.)
+adapters saved for one base model out of another is :func:`circuits_llm.text.models.config_fingerprint`.)
 """
 
 from __future__ import annotations

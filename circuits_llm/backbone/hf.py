@@ -48,8 +48,8 @@ from circuits_llm.backbone._validate import (
     check_token_layout,
     check_tokens,
 )
-from circuits_llm.models import config_fingerprint
 from circuits_llm.protocols import BackboneStep
+from circuits_llm.text.models import config_fingerprint
 
 #: Message of the in-graph id check of the compiled backbone (found again in the error it raises).
 _TOKEN_RANGE_MESSAGE = "HFBackbone: a token id is outside the vocabulary"

@@ -69,7 +69,7 @@ class HeadConfig:
         draft_vocab_size: ``K`` of a compressed draft vocabulary (the circuit's categories; the
             ids are the tensor ``draft_tokens``), or None (the whole vocabulary).
         draft_tokens_sha256: SHA-256 of the draft ids (int64 little-endian), checked on load.
-        model_fingerprint: the backbone's ``circuits_llm.models.config_fingerprint`` the head
+        model_fingerprint: the backbone's ``circuits_llm.text.models.config_fingerprint`` the head
             was built for, or None when unknown; a load for another model is refused.
         tensors_sha256: SHA-256 of ``head.safetensors`` as written with this config.
         format_version: :data:`FORMAT_VERSION` of the writer.

@@ -121,7 +121,7 @@ class MTPHead(nn.Module):
     ``head.circuit.log_likelihood(x, params=head(hidden))`` is a normalised log-probability.
     Training reads the input units only at the observed tokens:
     :meth:`observed_log_parameters` gives those log-probabilities without the ``(B, F, K, V)``
-    logits (in tiles, exact gradients), which is what :func:`circuits_llm.loss.mtp_loss` uses.
+    logits (in tiles, exact gradients), which is what :func:`circuits_llm.training.loss.mtp_loss` uses.
 
     Parameter count (:meth:`num_parameters`, :func:`parameter_count`), with ``N`` input units,
     ``S`` sum weights: FULL ``N V d + N V + S (d + 1)``; LEAN ``2 N d rho + N V + S (d + 1)``
@@ -207,7 +207,7 @@ class MTPHead(nn.Module):
         if tokens is not None and lm_head_weight is not None:
             lm_head_weight = lm_head_weight.detach().index_select(
                 0, tokens.to(lm_head_weight.device))
-        #: the backbone this head was built for (``circuits_llm.models.config_fingerprint``,
+        #: the backbone this head was built for (``circuits_llm.text.models.config_fingerprint``,
         #: saved with the head and checked on load), or None when unknown
         self.model_fingerprint: str | None = None
         self.input_bias = input_bias
@@ -357,7 +357,7 @@ class MTPHead(nn.Module):
     def refresh_derived(self) -> None:
         """Rebuild stale cached derived tensors now, eagerly.
 
-        Compiled rounds (:class:`circuits_llm.round.RoundProgram`) call this before each compiled
+        Compiled rounds (:class:`circuits_llm.decoding.round.RoundProgram`) call this before each compiled
         draft: traced code reads the cache as it stands and cannot notice an optimiser step."""
         if isinstance(self.inputs, LeanInputs):
             self.inputs.refresh()

@@ -164,7 +164,7 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
     Args:
         expected_hidden_size, expected_vocab_size: the backbone's ``d`` and ``V``; a head for
             other sizes is refused.
-        expected_fingerprint: the backbone's ``circuits_llm.models.config_fingerprint``; a head
+        expected_fingerprint: the backbone's ``circuits_llm.text.models.config_fingerprint``; a head
             that recorded another one is refused (heads without a record are accepted).
     """
     directory = Path(directory)

@@ -6,10 +6,10 @@
   rotated checkpoints, a locked run directory, graceful signals and an exported result; runs
   data-parallel under ``torchrun``.
 * :func:`load_trained_head`: the exported head and its backbone, ready for
-  :class:`~circuits_llm.decoder.SpeculativeDecoder`.
+  :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`.
 """
 
-from circuits_llm.checkpoint import CheckpointError, CheckpointWriteError
+from circuits_llm.runtime.checkpoint import CheckpointError, CheckpointWriteError
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
 from circuits_llm.training.lock import RunDirectoryBusy
 from circuits_llm.training.loop import CHECKPOINT_FILE, NonFiniteTrainingError, train_head

@@ -34,7 +34,7 @@ from circuits_llm.heads import HeadConfigError, MTPHead, check_head_circuit
 from circuits_llm.heads.io import head_config
 from circuits_llm.heads.sizing import HeadBudgetWarning, HeadSize, fit_head_size
 from circuits_llm.heads.vocab import TokenCounts, frequent_tokens
-from circuits_llm.models import config_fingerprint
+from circuits_llm.text.models import config_fingerprint
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 
 

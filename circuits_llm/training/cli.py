@@ -6,15 +6,15 @@ Example (resumable; run it again with the same arguments to continue)::
         --lora-layers 0 --steps 2000 --run-dir runs/btree --minutes 30
 
 ``--model`` is ``embedded``, an HF directory, a ``.gguf`` file or a hub id in the local cache
-(:func:`circuits_llm.models.parse_model_reference`); the corpus is tokenised with that model's own
-tokenizer and cached on disk (:mod:`circuits_llm.corpus`; ``$CIRCUITS_LLM_CORPUS_CACHE`` moves the
+(:func:`circuits_llm.text.references.parse_model_reference`); the corpus is tokenised with that model's own
+tokenizer and cached on disk (:mod:`circuits_llm.text.corpus`; ``$CIRCUITS_LLM_CORPUS_CACHE`` moves the
 cache), so a resumed run tokenises nothing. ``--self-distill`` trains on the model's own
 continuations of corpus prompts (FastMTP; :mod:`circuits_llm.training.self_distill`), generated
 once with a progress bar into the run directory and resumed if interrupted.
 
 Data-parallel on CPU: ``torchrun --nproc_per_node=2 -m circuits_llm train-head ...`` (the global
 ``--batch-size`` is split across the processes). ``--device`` takes the shared forms of
-:mod:`circuits_llm.devices` (default ``cpu``, as before: resumable runs and CPU data-parallel runs
+:mod:`circuits_llm.runtime.devices` (default ``cpu``, as before: resumable runs and CPU data-parallel runs
 keep their device unless asked); under torchrun ``cuda`` and ``auto`` mean ``cuda:LOCAL_RANK``, one
 GPU per process.
 
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from circuits_llm.devices import DeviceError, DeviceSpec, add_device_argument, resolve_device
-from circuits_llm.models import EMBEDDED, ModelLoadError, load_model
+from circuits_llm.runtime.devices import DeviceError, DeviceSpec, add_device_argument, resolve_device
+from circuits_llm.text.models import EMBEDDED, ModelLoadError, load_model
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
 
 _PROGRAM = "circuits-llm train-head"
@@ -50,8 +50,8 @@ TRAINING_FAILED = 1
 
 def load_training_model(spec: str, device: torch.device) -> Any:
     """The ``--model`` causal LM on ``device``, with its tokenizer attached and checked
-    (:func:`circuits_llm.models.load_model`; training reads the tokenizer from there)."""
-    from circuits_llm.tokens import TokenizerError
+    (:func:`circuits_llm.text.models.load_model`; training reads the tokenizer from there)."""
+    from circuits_llm.text.tokens import TokenizerError
     try:
         return load_model(spec, device).model
     except (ModelLoadError, TokenizerError) as error:
@@ -83,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
 
 def _train_head(args: argparse.Namespace) -> int:
     from circuits.errors import CircuitError
-    from circuits_llm.checkpoint import CheckpointError, CheckpointWriteError
+    from circuits_llm.runtime.checkpoint import CheckpointError, CheckpointWriteError
     from circuits_llm.training.lock import RunDirectoryBusy
     from circuits_llm.training.loop import CHECKPOINT_FILE, train_head
     from circuits_llm.training.signals import TrainingInterrupted

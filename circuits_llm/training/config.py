@@ -27,7 +27,7 @@ class DataSource(Enum):
     """What the head is trained on.
 
     ``CORPUS``: random windows of the stdlib training split, in the model's own tokens
-    (:mod:`circuits_llm.corpus`, cached on disk).
+    (:mod:`circuits_llm.text.corpus`, cached on disk).
     ``SELF_DISTILLED`` (``train-head --self-distill``): FastMTP Sec. 2.4: prompts cut from the
     training split, continued by the target model itself at ``distill_temperature`` (fixed seeds;
     generated once into the run directory, resumable: :mod:`circuits_llm.training.self_distill`);

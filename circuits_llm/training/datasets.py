@@ -1,12 +1,12 @@
 """The sequences a head is trained and validated on, in the model's own tokens.
 
 The corpus (by default this interpreter's standard library; ``--corpus-root`` otherwise) is
-tokenised with the model's tokenizer once and cached on disk (:mod:`circuits_llm.corpus`): a
+tokenised with the model's tokenizer once and cached on disk (:mod:`circuits_llm.text.corpus`): a
 resumed run or a second head reads the memory-mapped token file, and nothing holds the whole
 corpus in memory. The tokenizer is the one given, else the model's own
-(:func:`circuits_llm.tokens.tokenizer_for`: the reference :func:`circuits_llm.models.load_causal_lm`
+(:func:`circuits_llm.text.tokens.tokenizer_for`: the reference :func:`circuits_llm.text.models.load_causal_lm`
 recorded, or bytes for a byte model); it must fit the model's vocabulary
-(:func:`circuits_llm.tokens.check_vocabulary`), so a byte corpus is never fed to a subword model.
+(:func:`circuits_llm.text.tokens.check_vocabulary`), so a byte corpus is never fed to a subword model.
 
 * :attr:`DataSource.CORPUS`: every window of ``seq_len`` tokens of the training split, capped at
   ``max_train_bytes`` tokens (stride 1: :class:`StreamWindows`); validation: the first
@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from circuits_llm.corpus import CorpusError, TokenStream, tokenized_split
-from circuits_llm.data import Split, stdlib_root
 from circuits_llm.heads.vocab import TokenCounts, token_counts
-from circuits_llm.tokens import TextTokenizer, TokenizerError, check_vocabulary, tokenizer_for
+from circuits_llm.text.byte_level import Split, stdlib_root
+from circuits_llm.text.corpus import CorpusError, TokenStream, tokenized_split
+from circuits_llm.text.tokens import TextTokenizer, TokenizerError, check_vocabulary, tokenizer_for
 from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
 from circuits_llm.training.self_distill import (
     DISTILL_FILE,
@@ -59,7 +59,7 @@ class SequenceSet(ABC):
     @abstractmethod
     def rows(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(tokens (b, L) int64, mask (b, L) bool or None)`` for the row indices ``index`` (b,);
-        the mask (:func:`circuits_llm.loss.mtp_loss`'s) marks tokens that may start a window or
+        the mask (:func:`circuits_llm.training.loss.mtp_loss`'s) marks tokens that may start a window or
         be a target, None: every token."""
 
 
@@ -192,7 +192,7 @@ def training_sets(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: P
                   ) -> tuple[SequenceSet, SequenceSet]:
     """``(train, validation)`` for ``config.data``, in the tokens of ``tokenizer`` (default: the
     model's own; see the module docstring). ``cache_dir``: the corpus cache
-    (:func:`circuits_llm.corpus.corpus_cache_dir` by default)."""
+    (:func:`circuits_llm.text.corpus.corpus_cache_dir` by default)."""
     chosen = training_tokenizer(model, tokenizer)
     train, validation = training_streams(config, chosen, root, cache_dir, progress)
     if config.data is DataSource.SELF_DISTILLED:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from circuits_llm.checkpoint import CheckpointWriteError
+from circuits_llm.runtime.checkpoint import CheckpointWriteError
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 from circuits_llm.training.datasets import training_sets
 from circuits_llm.training.distributed import DistributedContext, distributed_context
@@ -125,7 +125,7 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
         RunDirectoryBusy: another live process holds ``run_dir`` (the message names it).
         CheckpointError: the run directory holds a corrupt checkpoint, or one written with
             another config or model; nothing in ``run_dir`` is changed.
-            :class:`~circuits_llm.checkpoint.CheckpointWriteError`: a write failed (e.g. a full
+            :class:`~circuits_llm.runtime.checkpoint.CheckpointWriteError`: a write failed (e.g. a full
             disk); the files written before are intact.
         NonFiniteTrainingError: the loss, a gradient or a parameter became NaN or infinite; the
             step is not taken or saved, the last good checkpoint is kept.

@@ -24,9 +24,9 @@ from transformers import PreTrainedModel
 
 from circuits.files import atomic_write_json
 from circuits_llm.backbone import AdapterMismatchError, HFBackbone
-from circuits_llm.checkpoint import CheckpointError
 from circuits_llm.heads import HeadConfigError, MTPHead, load_head, save_head
-from circuits_llm.models import config_fingerprint
+from circuits_llm.runtime.checkpoint import CheckpointError
+from circuits_llm.text.models import config_fingerprint
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 
 RECORD_FILE = "training.json"

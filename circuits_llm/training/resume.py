@@ -1,7 +1,7 @@
 """Which checkpoint a head-training run resumes from, and the checks it must pass first.
 
 A run directory keeps two checkpoints: ``checkpoint.pt`` (the latest) and ``checkpoint.prev.pt``
-(the one it replaced; :func:`~circuits_llm.checkpoint.save_checkpoint` with ``keep_previous``).
+(the one it replaced; :func:`~circuits_llm.runtime.checkpoint.save_checkpoint` with ``keep_previous``).
 A run resumes from ``checkpoint.pt``, or from the file the user names (``resume_from``,
 ``--resume-from``). It never falls back to the older file by itself: when ``checkpoint.pt`` fails
 its checksum the error says whether ``checkpoint.prev.pt`` is intact, at which step, and how to
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuits_llm.checkpoint import (
+from circuits_llm.runtime.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
     UnverifiableCheckpointError,

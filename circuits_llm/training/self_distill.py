@@ -11,7 +11,7 @@ against, instead of the corpus's. :func:`self_distilled_rows` produces
   way.
 
 Sampling is at ``distill_temperature`` (0: greedy), from the law the decoders sample
-(:func:`circuits_llm.warping.target_probs`), with no EOS stop, so every row has ``seq_len`` tokens.
+(:func:`circuits_llm.decoding.warping.target_probs`), with no EOS stop, so every row has ``seq_len`` tokens.
 Row ``i`` (training rows first, then validation rows) draws from its own generator seeded with
 ``seed + i``, so a row does not depend on which rows were generated before it or in the same
 batch; rows are generated :data:`BATCH_ROWS` at a time in one batched forward per token (the
@@ -37,12 +37,12 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from circuits_llm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from circuits_llm.corpus import TokenStream
-from circuits_llm.models import backbone_identity
-from circuits_llm.tokens import TextTokenizer
+from circuits_llm.decoding.warping import SamplingConfig, sample_token, target_probs
+from circuits_llm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from circuits_llm.text.corpus import TokenStream
+from circuits_llm.text.models import backbone_identity
+from circuits_llm.text.tokens import TextTokenizer
 from circuits_llm.training.config import HeadTrainingConfig
-from circuits_llm.warping import SamplingConfig, sample_token, target_probs
 
 DISTILL_KIND = "circuits_llm.self_distilled"
 DISTILL_PART_KIND = "circuits_llm.self_distilled_part"

@@ -2,7 +2,7 @@
 
 One step (MTPC paper Sec. 4.1): draw ``batch_size`` sequences, run the frozen backbone
 (``HFBackbone.hidden_states``: (B, L, d) draft hidden states, through the LoRA branch when
-``lora_layers > 0``), evaluate :func:`circuits_llm.loss.mtp_loss` (every position starts a
+``lora_layers > 0``), evaluate :func:`circuits_llm.training.loss.mtp_loss` (every position starts a
 window, slot ``j`` weighted ``gamma^(j-1)``, per valid token normalisation), and take one AdamW
 step on the head's and the LoRA parameters at a constant learning rate.
 
@@ -39,15 +39,15 @@ from transformers import PreTrainedModel
 
 from circuits.errors import InvalidParameterError, ParameterProblem
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.checkpoint import CheckpointError, CheckpointWriteError, save_checkpoint
 from circuits_llm.heads import MTPHead
 from circuits_llm.heads.io import head_tensors
-from circuits_llm.loss import default_gamma, mtp_loss
-from circuits_llm.models import backbone_identity
+from circuits_llm.runtime.checkpoint import CheckpointError, CheckpointWriteError, save_checkpoint
+from circuits_llm.text.models import backbone_identity
 from circuits_llm.training.build import build_backbone, build_head, head_fingerprint, plan_head
 from circuits_llm.training.config import HeadTrainingConfig
 from circuits_llm.training.datasets import SequenceSet, training_token_counts
 from circuits_llm.training.distributed import DistributedContext
+from circuits_llm.training.loss import default_gamma, mtp_loss
 from circuits_llm.training.memory import StepMemory
 from circuits_llm.training.results import (
     HeadTrainingResult,

@@ -1,9 +1,9 @@
 """Corpora tokenised with a model's own tokenizer, streamed to disk once and memory-mapped.
 
-A split of a corpus directory (the ``*.py`` files of :func:`circuits_llm.data.corpus_files`; by
+A split of a corpus directory (the ``*.py`` files of :func:`circuits_llm.text.byte_level.corpus_files`; by
 default the CPython standard library of this interpreter) becomes one token file: every file is a
-record ``[specials] text [EOS]`` (:meth:`~circuits_llm.tokens.TextTokenizer.documents`; for the
-byte tokenizer exactly :func:`circuits_llm.data.pack`'s ``BOS bytes EOS``), the records one after
+record ``[specials] text [EOS]`` (:meth:`~circuits_llm.text.tokens.TextTokenizer.documents`; for the
+byte tokenizer exactly :func:`circuits_llm.text.byte_level.pack`'s ``BOS bytes EOS``), the records one after
 the other. Files are tokenised a batch at a time and appended to the file, so no whole-corpus
 tensor is ever built; readers get a read-only memory map (:class:`TokenStream`), whose windows are
 copied out only when a batch needs them.
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from circuits.files import atomic_write, atomic_write_json, sha256_file
-from circuits_llm.data import Split, corpus_files, stdlib_root
-from circuits_llm.tokens import DOCUMENT_FORMAT, TextTokenizer
+from circuits_llm.text.byte_level import Split, corpus_files, stdlib_root
+from circuits_llm.text.tokens import DOCUMENT_FORMAT, TextTokenizer
 
 #: Bumped when the layout of a cache entry changes.
 CACHE_FORMAT = 1
@@ -170,7 +170,7 @@ def tokenized_split(tokenizer: TextTokenizer, split: Split, root: Path | None = 
 
     Args:
         tokenizer: the model's tokenizer.
-        split: which split (:class:`~circuits_llm.data.Split`).
+        split: which split (:class:`~circuits_llm.text.byte_level.Split`).
         root: the corpus directory (default: this interpreter's standard library).
         cache_dir: where entries live (default: :func:`corpus_cache_dir`).
         progress: a progress bar while tokenising (nothing is shown for a cached entry).

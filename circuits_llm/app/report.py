@@ -2,7 +2,7 @@
 
 A comparison runs several decoders (autoregressive, speculative with an FF head, with a BTree
 head, ...) on the same prompts in the same process and pools each decoder's rounds with
-:func:`circuits_llm.metrics.aggregate`. One :class:`DecoderRow` per (decoder, mode) holds the
+:func:`circuits_llm.decoding.metrics.aggregate`. One :class:`DecoderRow` per (decoder, mode) holds the
 MTPC paper's metrics (Section 4.2): mean latency per round ``mu_lat``, mean accepted length
 (tokens per round, ``mu_acc``), per-position acceptance, throughput ``mu_acc / mu_lat`` and the
 wall-time speed-ups over the autoregressive baseline and the FF (independence) head.
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from circuits.files import atomic_write, atomic_write_json
-from circuits_llm.metrics import DecodeSummary
+from circuits_llm.decoding.metrics import DecodeSummary
 
 #: Bumped whenever the meaning of a report's JSON fields changes (2: ``unit``, ``analysis`` and
 #: ``targets`` added).
@@ -105,7 +105,7 @@ class DecoderRow:
     @classmethod
     def from_summary(cls, decoder: str, mode: DecodeMode, prompts: int,
                      summary: DecodeSummary) -> DecoderRow:
-        """A row from a pooled :class:`~circuits_llm.metrics.DecodeSummary` (no speed-ups yet)."""
+        """A row from a pooled :class:`~circuits_llm.decoding.metrics.DecodeSummary` (no speed-ups yet)."""
         return cls(decoder=decoder, mode=mode, prompts=prompts, new_tokens=summary.new_tokens,
                    rounds=summary.rounds, mean_latency_s=summary.mean_latency_s,
                    tokens_per_round=summary.tokens_per_round,

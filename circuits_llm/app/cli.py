@@ -1,10 +1,10 @@
 """The ``circuits-llm`` command line: pretrain, export-model, train-head, demo, bench, generate.
 
-Every subcommand that runs a model takes ``--device auto|cpu|cuda[:N]`` (:mod:`circuits_llm.devices`).
+Every subcommand that runs a model takes ``--device auto|cpu|cuda[:N]`` (:mod:`circuits_llm.runtime.devices`).
 ``train-head``, ``demo``, ``bench`` and ``generate`` take ``--model``: ``embedded``, a Hugging Face
 model directory, a ``.gguf`` file or a hub id in the local cache
-(:func:`circuits_llm.models.parse_model_reference`; nothing is downloaded), and read text through
-that model's own tokenizer (:mod:`circuits_llm.tokens`). ``pretrain`` and ``export-model`` make the
+(:func:`circuits_llm.text.references.parse_model_reference`; nothing is downloaded), and read text through
+that model's own tokenizer (:mod:`circuits_llm.text.tokens`). ``pretrain`` and ``export-model`` make the
 embedded byte-level model, so they have none.
 """
 
@@ -17,7 +17,11 @@ from pathlib import Path
 
 import torch
 
-from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
+from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
+
+#: Where ``export-model`` writes by default: the packaged model (:mod:`circuits_llm.embedded`,
+#: not imported here: it loads transformers, which ``--help`` does not need).
+_EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "embedded" / "byte-llama"
 
 
 def _resolved(command: str, args: argparse.Namespace) -> torch.device | None:
@@ -30,7 +34,7 @@ def _resolved(command: str, args: argparse.Namespace) -> torch.device | None:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from circuits_llm.pretrain import ModelShape, PretrainConfig, run_pretraining
+    from circuits_llm.training.pretrain import ModelShape, PretrainConfig, run_pretraining
     device = _resolved("pretrain", args)
     if device is None:
         return 2
@@ -49,7 +53,7 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from circuits_llm.pretrain import export_model
+    from circuits_llm.training.pretrain import export_model
     device = _resolved("export-model", args)
     if device is None:
         return 2
@@ -81,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.set_defaults(run=_pretrain)
     exp = sub.add_parser("export-model", help="write the best pretraining checkpoint as an HF model")
     exp.add_argument("--run-dir", type=Path, default=Path("runs/pretrain"))
-    exp.add_argument("--out", type=Path, default=Path(__file__).parent / "embedded" / "byte-llama")
+    exp.add_argument("--out", type=Path, default=_EMBEDDED_DIR)
     exp.add_argument("--test-windows", type=int, default=None,
                      help="limit the test measurement to this many 256-byte windows (default: all)")
     add_device_argument(exp, default="cpu", note="Where the test measurement runs; the weights are "
@@ -89,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(run=_export)
     from circuits_llm.training.cli import add_train_head_command
     add_train_head_command(sub)
-    from circuits_llm.commands import add_commands  # demo, bench, generate
+    from circuits_llm.app.commands import add_commands  # demo, bench, generate
     add_commands(sub)
     return parser
 

@@ -1,15 +1,15 @@
 """The user-facing subcommands of ``circuits-llm``: ``demo``, ``bench`` and ``generate``.
 
-:func:`add_commands` registers them on the ``circuits-llm`` subparsers (:mod:`circuits_llm.cli`).
-``--model`` names the model the way :func:`circuits_llm.models.parse_model_reference` reads it
+:func:`add_commands` registers them on the ``circuits-llm`` subparsers (:mod:`circuits_llm.app.cli`).
+``--model`` names the model the way :func:`circuits_llm.text.references.parse_model_reference` reads it
 (``embedded``, an HF directory, a GGUF file, a hub id in the local cache), and ``generate`` reads
-and writes text through that model's own tokenizer (:mod:`circuits_llm.tokens`; bytes for a byte
+and writes text through that model's own tokenizer (:mod:`circuits_llm.text.tokens`; bytes for a byte
 model), applies the chat template with ``--chat`` and stops where ``model.generate`` would
-(:mod:`circuits_llm.stopping`: the model's EOS ids, ``--stop`` strings, ``--max-new-tokens``).
+(:mod:`circuits_llm.decoding.stopping`: the model's EOS ids, ``--stop`` strings, ``--max-new-tokens``).
 Every input problem ends the command with one line ``circuits-llm <command>: error: ...`` on
 stderr and exit status 2 (argparse's convention), never a traceback. ``--device`` (default
 ``auto``: CUDA when available) decides where the model, the heads, the prompts and the sampling
-generators live (:mod:`circuits_llm.devices`).
+generators live (:mod:`circuits_llm.runtime.devices`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from circuits_llm.demo import ComparisonConfig, DemoError, run_comparison, training_config
-from circuits_llm.devices import DeviceError, add_device_argument, resolve_device
-from circuits_llm.head_cache import default_cache_dir, find_cached_head
-from circuits_llm.models import EMBEDDED, ModelLoadError, load_model
+from circuits_llm.app.demo import ComparisonConfig, DemoError, run_comparison, training_config
+from circuits_llm.app.head_cache import default_cache_dir, find_cached_head
+from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
+from circuits_llm.text.models import EMBEDDED, ModelLoadError, load_model
 
 #: ``--head`` values that mean plain autoregressive decoding.
 AUTOREGRESSIVE_NAMES = ("ar", "none")
@@ -67,12 +67,12 @@ def _positive_float(text: str) -> float:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "bad input" (reported in one line) rather than a bug."""
     from circuits.errors import CircuitError
-    from circuits_llm.checkpoint import CheckpointError
-    from circuits_llm.corpus import CorpusError
+    from circuits_llm.app.report import ReportError
+    from circuits_llm.decoding.warping import DecoderError
     from circuits_llm.heads import HeadConfigError
-    from circuits_llm.report import ReportError
-    from circuits_llm.tokens import TokenizerError
-    from circuits_llm.warping import DecoderError
+    from circuits_llm.runtime.checkpoint import CheckpointError
+    from circuits_llm.text.corpus import CorpusError
+    from circuits_llm.text.tokens import TokenizerError
     errors: list[type[BaseException]] = [DemoError, ModelLoadError, DecoderError, HeadConfigError,
                                          ReportError, CircuitError, CheckpointError, DeviceError,
                                          TokenizerError, CorpusError]
@@ -169,7 +169,7 @@ def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False) -> 
     """The decoder ``--head`` names (compiled alike on both sides with ``compile``), and a
     description of it."""
     from circuits_llm.backbone import HFBackbone
-    from circuits_llm.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     if head.lower() in AUTOREGRESSIVE_NAMES:
         return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
     if head.lower() in TRAINED_NAMES:
@@ -191,7 +191,7 @@ def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False) -> 
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from circuits_llm.stopping import StopCondition, unescape_stop
+    from circuits_llm.decoding.stopping import StopCondition, unescape_stop
     device = resolve_device(args.device)
     loaded = load_model(args.model, device)
     tokenizer = loaded.tokenizer

@@ -1,6 +1,6 @@
 """One speculative round as two fixed-shape programs with no host synchronisation inside.
 
-A round (see :mod:`circuits_llm.decoder` for the invariant and ``docs/decoder-exactness.md`` for
+A round (see :mod:`circuits_llm.decoding.decoder` for the invariant and ``docs/decoder-exactness.md`` for
 the proof) is split at the backbone call:
 
 1. :meth:`RoundProgram.draft`: ``hidden`` (1, d) and the known next token ``c`` -> the drafted
@@ -41,7 +41,7 @@ from circuits.compiled.prepared import Trace
 from circuits.compiled.queries import row_conditionals
 from circuits.compiled.sampling import argmax_chooser, descend
 from circuits.kernels import GumbelChooser, use_backend
-from circuits_llm.warping import DecoderError, SamplingConfig, warp_logits
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
 
 #: compiled programs (head x configuration) one process can hold before Dynamo recompiles stop
 MAX_PROGRAMS = 64

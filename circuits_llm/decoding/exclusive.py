@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from circuits_llm.warping import DecoderError
+from circuits_llm.decoding.warping import DecoderError
 
 _LOCK = threading.Lock()
 #: ``id`` of every object held by a running call -> the name of the thread running it

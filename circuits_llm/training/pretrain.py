@@ -1,6 +1,6 @@
 """Pretraining the embedded byte-level Llama on the CPython standard library (resumable).
 
-The job samples random windows of the packed training stream (:mod:`circuits_llm.data`) with a
+The job samples random windows of the packed training stream (:mod:`circuits_llm.text.byte_level`) with a
 seeded ``torch.Generator``, trains with AdamW under a warmup + cosine schedule (optional bf16
 autocast), evaluates bits per byte on fixed validation windows, and writes an atomic checkpoint
 every few minutes. Interrupt it at any time: ``run_pretraining`` on the same directory resumes from
@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from circuits_llm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from circuits_llm.data import VOCAB_SIZE, SpecialToken, Split, corpus_files, pack
+from circuits_llm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from circuits_llm.text.byte_level import VOCAB_SIZE, SpecialToken, Split, corpus_files, pack
 
-CHECKPOINT_KIND = "circuits_llm.pretrain"
+CHECKPOINT_KIND = "circuits_llm.training.pretrain"
 
 #: Settings a resumed run may change: the schedule length (the cosine decay is recomputed from
 #: the current step) and how often it evaluates or checkpoints. Everything else must match.

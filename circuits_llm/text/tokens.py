@@ -8,7 +8,8 @@ Every command and training run turns text into token ids and back through one
 * a byte model (the embedded one, or a directory whose config follows this project's byte
   convention: vocabulary 260, BOS 256, EOS 257, and no tokenizer files) uses
   :func:`byte_tokenizer`, a real Hugging Face fast tokenizer whose ids are the UTF-8 bytes
-  ``0..255`` plus ``<bos>`` 256, ``<eos>`` 257, ``<pad>`` 258 (:class:`circuits_llm.data.SpecialToken`).
+  ``0..255`` plus ``<bos>`` 256, ``<eos>`` 257, ``<pad>`` 258
+  (:class:`circuits_llm.text.byte_level.SpecialToken`).
   Encoding a prompt adds BOS, as the byte corpus does, so prompts look like training records;
   everything else (decoding, stop strings, chat errors) is the same code as for a subword model.
 
@@ -32,15 +33,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from circuits_llm.data import VOCAB_SIZE, SpecialToken
+from circuits_llm.text.byte_level import VOCAB_SIZE, SpecialToken
 
 if TYPE_CHECKING:
-    from circuits_llm.models import ModelReference
+    from circuits_llm.text.references import ModelReference
 
 #: Files whose presence in a model directory means it ships a Hugging Face tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-#: The byte tokenizer's special tokens, with the ids of :class:`circuits_llm.data.SpecialToken`.
+#: The byte tokenizer's special tokens, with the ids of :class:`circuits_llm.text.byte_level.SpecialToken`.
 BYTE_SPECIALS = {"<bos>": int(SpecialToken.BOS), "<eos>": int(SpecialToken.EOS),
                  "<pad>": int(SpecialToken.PAD)}
 
@@ -77,7 +78,7 @@ def byte_tokenizer() -> Any:
 
     Ids ``0..255`` are the UTF-8 bytes of the text (a byte-level BPE without merges: every byte
     is one token), 256/257/258 are ``<bos>``/``<eos>``/``<pad>``; encoding with special tokens
-    prepends BOS; decoding turns invalid UTF-8 into U+FFFD, like :func:`circuits_llm.data.decode`.
+    prepends BOS; decoding turns invalid UTF-8 into U+FFFD, like :func:`circuits_llm.text.byte_level.decode`.
     Text is never parsed into special tokens (``split_special_tokens``): the text ``"<eos>"`` is
     five bytes, as in the byte corpus.
     """
@@ -208,7 +209,7 @@ class TextTokenizer:
         The text is tokenised as text (never parsed into special tokens), after the special
         tokens the tokenizer adds to a sequence (BOS where it has that convention), and the
         record ends with EOS when the tokenizer has one. The byte tokenizer's records are the
-        file's raw bytes (``BOS bytes EOS``, exactly :func:`circuits_llm.data.pack`'s), read
+        file's raw bytes (``BOS bytes EOS``, exactly :func:`circuits_llm.text.byte_level.pack`'s), read
         directly; other tokenizers read the files as UTF-8 (invalid bytes become U+FFFD).
         """
         if self.kind is TokenizerKind.BYTES:
@@ -255,15 +256,15 @@ def load_tokenizer(reference: ModelReference | str, model_config: Any = None) ->
     """The tokenizer of the model ``reference`` names (see the module docstring).
 
     Args:
-        reference: a :class:`~circuits_llm.models.ModelReference` or a ``--model`` string.
+        reference: a :class:`~circuits_llm.text.references.ModelReference` or a ``--model`` string.
         model_config: the loaded model's config, if at hand: a directory without tokenizer files
             holds a byte model only if this config says so (read from ``config.json`` otherwise).
 
     Raises:
         MissingTokenizerError: a subword model without a loadable tokenizer.
-        circuits_llm.models.ModelLoadError: ``reference`` names nothing loadable.
+        circuits_llm.text.references.ModelLoadError: ``reference`` names nothing loadable.
     """
-    from circuits_llm.models import ModelSource, parse_model_reference, resolve_reference
+    from circuits_llm.text.references import ModelSource, parse_model_reference, resolve_reference
     ref = parse_model_reference(reference) if isinstance(reference, str) else reference
     if ref.source is ModelSource.EMBEDDED:
         return TextTokenizer.byte_level()
@@ -307,14 +308,14 @@ def attach_tokenizer(model: Any, tokenizer: TextTokenizer) -> None:
 
 def tokenizer_for(model: Any) -> TextTokenizer:
     """The tokenizer of a loaded model: the one attached to it (:func:`attach_tokenizer`, done by
-    :func:`circuits_llm.models.load_model`), else loaded from the reference
-    :func:`circuits_llm.models.load_causal_lm` recorded, the byte tokenizer for a byte model built
+    :func:`circuits_llm.text.models.load_model`), else loaded from the reference
+    :func:`circuits_llm.text.models.load_causal_lm` recorded, the byte tokenizer for a byte model built
     in code, else an error.
 
     Raises:
         MissingTokenizerError: a subword model built in code (nothing says where its tokenizer is).
     """
-    from circuits_llm.models import model_reference
+    from circuits_llm.text.references import model_reference
     attached = _ATTACHED.get(model)
     if attached is not None:
         return attached
@@ -325,7 +326,7 @@ def tokenizer_for(model: Any) -> TextTokenizer:
         return TextTokenizer.byte_level()
     raise MissingTokenizerError(
         f"the model (vocabulary {getattr(model.config, 'vocab_size', '?')}) is not byte-level and "
-        "was not loaded with circuits_llm.models.load_causal_lm, so its tokenizer is unknown: pass "
+        "was not loaded with circuits_llm.text.models.load_causal_lm, so its tokenizer is unknown: pass "
         "tokenizer=load_tokenizer(<its directory, GGUF file or hub id>)")
 
 

