@@ -23,13 +23,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrai
 
 from circuits_llm.app.cli import main
 from circuits_llm.text import byte_level as data
-from circuits_llm.text import models
-from circuits_llm.text.models import (
+from circuits_llm.text import models, references
+from circuits_llm.text.models import load_causal_lm, load_model
+from circuits_llm.text.references import (
     EMBEDDED,
     ModelLoadError,
     ModelSource,
-    load_causal_lm,
-    load_model,
     model_reference,
     packaged_gguf,
     parse_model_reference,
@@ -246,8 +245,8 @@ def test_models_that_packages_ship(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     (package / "__init__.py").write_text("raise ImportError('never imported')\n")
     (package / "tiny.Q8_0.gguf").write_bytes(b"GGUF")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setitem(models.PACKAGED_MODELS, "tiny", "tiny_model_package")
-    monkeypatch.setitem(models.PACKAGED_MODELS, "ghost", "no_such_package_for_tests")
+    monkeypatch.setitem(references.PACKAGED_MODELS, "tiny", "tiny_model_package")
+    monkeypatch.setitem(references.PACKAGED_MODELS, "ghost", "no_such_package_for_tests")
     ref = parse_model_reference("tiny")
     assert ref.source is ModelSource.GGUF and ref.location == str(package / "tiny.Q8_0.gguf")
     assert packaged_gguf("tiny_model_package") == package / "tiny.Q8_0.gguf"
@@ -293,7 +292,7 @@ def test_missing_and_mismatched_tokenizers_are_clear_errors(
     with pytest.raises(MissingTokenizerError,
                        match=re.escape(f"the model directory {bare} has no tokenizer")):
         load_model(bare)
-    with pytest.raises(MissingTokenizerError, match=r"not loaded with circuits_llm\.models"):
+    with pytest.raises(MissingTokenizerError, match=r"not loaded with circuits_llm\.text\.models"):
         tokenizer_for(tiny_subword_model(300))
     small = save_model_dir(tmp_path / "small", tiny_subword_model(280), tokenizer)
     with pytest.raises(VocabularyMismatchError,
