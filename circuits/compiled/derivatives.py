@@ -16,9 +16,16 @@ the folds from the root down, each fold's gradient ``G`` (F, B, K) goes to the u
 then back through the reads: slices of a source fold get ``+= G`` in place, other reads an
 ``index_add_``. A handful of tensor ops per fold and no autograd graph: the conditional queries'
 backward costs about what their forward does.
+
+The walk (:func:`top_down`) and a sum fold's step (:func:`sum_scale`,
+:func:`sum_input_gradient`) are also those of the flows that learning reads
+(:mod:`circuits.learn.flows`), which adds the weights' expected counts ``W * (S^T @ P)`` from the
+same ``S`` and ``P``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -42,12 +49,37 @@ def input_gradients(circuit: CircuitCore, trace: Trace,
 
     Input folds the root does not depend on are absent.
     """
-    outputs = trace.outputs
+    def through_sum(fold_id: int, grad: Tensor) -> Tensor:
+        weights = params.exp_weights(fold_id)
+        probs, scale = sum_scale(trace.sum_inputs[fold_id], trace.outputs[fold_id], grad, weights,
+                                 trace.sum_parts.get(fold_id))
+        return sum_input_gradient(probs, scale, weights)
+
+    return top_down(circuit, trace.outputs, torch.ones_like(trace.outputs[-1]), through_sum)
+
+
+@torch.no_grad()
+def top_down(circuit: CircuitCore, outputs: list[Tensor], seed: Tensor,
+             through_sum: Callable[[int, Tensor], Tensor]) -> dict[int, Tensor]:
+    """The walk from the root down, shared by the derivative pass and the flows of learning.
+
+    Args:
+        circuit: the circuit whose bottom-up pass gave ``outputs``.
+        outputs: every fold's output ``(F, B, K)`` (the gradients take their shapes).
+        seed: the root's gradient, shaped like ``outputs[-1]`` (ones: ``d log c / d log c``;
+            row weights scale it).
+        through_sum: ``(fold id, G (F, B, K)) -> G_in (F, B, D)``: a sum fold's step (the caller
+            may record more, e.g. the weights' counts, from the same products).
+
+    Returns ``{input fold id: G (F, B, K)}``; input folds the root does not depend on are absent.
+    A fold's gradient is released once passed on.
+    """
     grads: list[Tensor | None] = [None] * len(outputs)
-    grads[-1] = torch.ones_like(outputs[-1])
+    grads[-1] = seed
     result: dict[int, Tensor] = {}
     for plan, module in zip(reversed(circuit.plans), reversed(circuit.folds), strict=True):
         grad = grads[plan.fold_id]
+        grads[plan.fold_id] = None
         if grad is None:
             continue
         if isinstance(module, FoldedInput):
@@ -55,11 +87,7 @@ def input_gradients(circuit: CircuitCore, trace: Trace,
             continue
         assert isinstance(module, RoutedFold)
         if isinstance(module, FoldedSum):
-            log_weights = params.values[plan.fold_id]
-            assert isinstance(log_weights, Tensor), "sum folds always hold tensors"
-            grad_in = _sum_input_gradient(trace, plan.fold_id, grad, log_weights,
-                                          params.exp_weights(plan.fold_id))
-            parts = list(grad_in.split(list(plan.input_widths), dim=-1))
+            parts = list(through_sum(plan.fold_id, grad).split(list(plan.input_widths), dim=-1))
         elif plan.product_kind is ProductKind.HADAMARD:
             parts = [grad] * len(plan.input_widths)
         else:
@@ -74,34 +102,39 @@ def input_gradients(circuit: CircuitCore, trace: Trace,
     return result
 
 
-def _sum_input_gradient(trace: Trace, fold_id: int, grad: Tensor, log_weights: Tensor,
-                        weights: ExpWeights) -> Tensor:
-    """``d(sum_k grad_k out_k) / d in`` for sum fold ``fold_id``: ``out = log_matmul(in, log w)``.
+def sum_scale(joined: Tensor, out: Tensor, grad: Tensor, weights: ExpWeights,
+              parts: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """``(P (F, B, D), S = G / T (F, B, K))`` of a sum fold ``out = log_matmul(joined, log w)``.
 
-    ``grad`` (F, B, K) -> (F, B, D). Reads the forward's ``(P, T)`` from ``trace.sum_parts``, or
-    recomputes them from the fold's input and output (``T = exp(out - shift)``).
+    ``parts`` is the forward's ``(P, T)`` (:attr:`Trace.sum_parts`); without it (a fused kernel
+    ran) ``P`` and ``T = exp(out - shift)`` are recomputed from the fold's input and output.
+    ``S`` is 0 where a unit's value is 0 (such units pass on nothing). ``weights`` may be grouped
+    (one set per ``B / S`` rows).
     """
-    joined, out = trace.sum_inputs[fold_id], trace.outputs[fold_id]
-    fold, batch, width = joined.shape
-    units = out.shape[2]
-    grouped = log_weights.dim() == 4
-    sets = log_weights.shape[0] if grouped else 1
-    groups = rows_per_set(batch, sets)
-    parts = trace.sum_parts.get(fold_id)
     if parts is not None:
         probs, total = parts
         scale = grad / total  # G / T; 0 / 0 and x / 0 (units of value 0) pass on nothing
     else:
+        fold, batch, _ = joined.shape
         in_max = joined.amax(-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         probs = (joined - in_max).exp_()
-        if grouped:
-            shift = (in_max.view(fold, sets, groups, 1) + weights.shift).view(fold, batch, units)
+        if weights.shift.dim() == 4:  # grouped: (F, S, 1, K)
+            sets = weights.shift.shape[1]
+            groups = rows_per_set(batch, sets)
+            shift = (in_max.view(fold, sets, groups, 1) + weights.shift).view(fold, batch, -1)
         else:
             shift = in_max + weights.shift
         scale = (shift - out).exp_().mul_(grad)  # G / T; out = -inf gives inf or NaN
-    scale = scale.nan_to_num_(nan=0.0, posinf=0.0)
-    if grouped:
-        mixed = torch.bmm(scale.reshape(fold * sets, groups, units), weights.weights)
+    return probs, scale.nan_to_num_(nan=0.0, posinf=0.0)
+
+
+def sum_input_gradient(probs: Tensor, scale: Tensor, weights: ExpWeights) -> Tensor:
+    """``G_in = P * (S @ W)`` (F, B, D) from :func:`sum_scale`'s ``(P, S)``, grouped or not."""
+    if weights.shift.dim() == 4:
+        fold, batch, width = probs.shape
+        sets = weights.shift.shape[1]
+        mixed = torch.bmm(scale.reshape(fold * sets, rows_per_set(batch, sets), scale.shape[-1]),
+                          weights.weights)
         return probs * mixed.view(fold, batch, width)
     return probs * torch.bmm(scale, weights.weights)
 
@@ -127,3 +160,6 @@ def _buffer(grads: list[Tensor | None], outputs: list[Tensor], fold_id: int) -> 
     if grad is None:
         grad = grads[fold_id] = torch.zeros_like(outputs[fold_id])
     return grad
+
+
+__all__ = ["input_gradients", "sum_input_gradient", "sum_scale", "top_down"]

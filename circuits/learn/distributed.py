@@ -12,6 +12,11 @@ Every rank draws the same shuffled order from an identically seeded generator an
 contiguous share of every batch (:meth:`LearningContext.shard`); EM statistics (expected counts)
 and gradients are summed over ranks before each step, so every rank takes the same step, the one
 a single process would take on the whole batch (up to the order of floating-point sums).
+
+This is the one implementation of the rank / world / shard context: the training loop of
+``circuits_llm`` (:mod:`circuits_llm.training.distributed`) subclasses :class:`LearningContext`
+and joins the group through :func:`join_process_group`, adding only what training needs (its own
+error type, DDP wrapping, destroying the group it made when training ends).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ class LearningContext:
     Attributes:
         rank: global rank (0 alone).
         world_size: number of processes (1 alone).
-        owns_group: whether this context initialised the process group (it is destroyed when
-            the process exits).
+        owns_group: whether this context initialised the process group (:func:`fit` keeps it
+            until the process exits; the training context of ``circuits_llm`` destroys it in
+            ``close``).
     """
 
     rank: int = 0
@@ -56,6 +62,13 @@ class LearningContext:
         if not self.enabled:
             return rows
         return torch.tensor_split(rows, self.world_size)[self.rank]
+
+    def all_sum(self, value: Tensor) -> Tensor:
+        """Sum ``value`` over ranks (a copy; the input is untouched)."""
+        total = value.detach().clone()
+        if self.enabled:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total
 
     def all_sum_(self, tensors: list[Tensor]) -> None:
         """Sum every tensor over ranks, in place (one collective for all of them)."""
@@ -86,6 +99,20 @@ class LearningContext:
         rows = torch.cat([part[:int(n)] for part, n in zip(parts, sizes, strict=True)])
         return rows.to(torch.bool) if tensor.dtype == torch.bool else rows
 
+    def replica_difference(self, parameters: list[Tensor]) -> float:
+        """Largest ``|p - p_rank0|`` over all ranks and ``parameters`` (0.0 = identical replicas).
+
+        Collective: every rank must call it. Returns 0.0 without a process group.
+        """
+        if not self.enabled or not parameters:
+            return 0.0
+        mine = torch.cat([p.detach().reshape(-1).float() for p in parameters])
+        reference = mine.clone()
+        dist.broadcast(reference, src=0)
+        largest = (mine - reference).abs().max().reshape(1)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return float(largest)
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
@@ -101,18 +128,33 @@ def _destroy_group() -> None:
         dist.destroy_process_group()
 
 
-def learning_context(device: torch.device) -> LearningContext:
-    """The context of this process; initialises the process group from torchrun's environment."""
+def join_process_group(device: torch.device,
+                       error: type[Exception] = InvalidInputError) -> tuple[int, int, bool]:
+    """``(rank, world_size, created)`` of this process: the initialised default group's, else one
+    initialised from torchrun's environment (``nccl`` on CUDA, ``gloo`` otherwise; ``created``),
+    else ``(0, 1, False)``: a single process.
+
+    Raises:
+        error: ``WORLD_SIZE > 1`` but this torch build has no ``torch.distributed``.
+    """
     if dist.is_available() and dist.is_initialized():
-        return LearningContext(dist.get_rank(), dist.get_world_size(), owns_group=False)
+        return dist.get_rank(), dist.get_world_size(), False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         if not dist.is_available():
-            raise InvalidInputError("WORLD_SIZE > 1 but torch.distributed is not available in this "
-                                    "torch build; run a single process")
+            raise error("WORLD_SIZE > 1 but torch.distributed is not available in this torch "
+                        "build; run a single process")
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+def learning_context(device: torch.device) -> LearningContext:
+    """The context of this process; initialises the process group from torchrun's environment
+    (kept until the process exits)."""
+    rank, world_size, created = join_process_group(device)
+    if created:
         atexit.register(_destroy_group)
-        return LearningContext(dist.get_rank(), dist.get_world_size(), owns_group=True)
-    return LearningContext()
+    return LearningContext(rank, world_size, owns_group=created)
 
 
-__all__ = ["LearningContext", "learning_context"]
+__all__ = ["LearningContext", "join_process_group", "learning_context"]

@@ -168,12 +168,12 @@ class EM(torch.optim.Optimizer):
         self._ensure_state()
         batch = x.shape[0]
         if batch == 0:
-            return torch.zeros(0, dtype=model.dtype, device=x.device)
+            return torch.zeros(0, dtype=model.dtype, device=model.device)
         weights = None
         if not model.normalized:  # one extra row, everything summed out: log Z in the same pass
             x = torch.cat([x, x.new_zeros((1, x.shape[1]))])
             observed = torch.cat([observed, observed.new_zeros((1, observed.shape[1]))])
-            weights = torch.ones(batch + 1, dtype=model.dtype, device=x.device)
+            weights = torch.ones(batch + 1, dtype=model.dtype, device=model.device)
             weights[-1] = 0.0
         flows = circuit_flows(model, prepared, x, observed, weights, self._tables)
         log_likelihood = flows.log_values[:batch]
@@ -220,7 +220,7 @@ class EM(torch.optim.Optimizer):
                     rows = torch.cat(state[key]) if state[key] else None
                     state[key] = [] if rows is None else [context.gather_rows(rows)]
         context.all_sum_(counts)
-        pending = torch.tensor([float(self._pending)], dtype=torch.float64)
+        pending = torch.tensor([float(self._pending)], dtype=torch.float64, device=self.model.device)
         context.all_sum_([pending])
         self._pending = int(pending.item())
 

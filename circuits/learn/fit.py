@@ -101,6 +101,17 @@ def fit(model: CircuitCore, data: object, *, optimizer: torch.optim.Optimizer, e
         checkpoint: a file to write after every epoch and to resume from when it exists.
         progress: show a tqdm progress bar (rank 0 only).
 
+    Device: learning runs on the model's device (that of its parameters: move the model first,
+    ``model.to("cuda")``), and every tensor it makes lives there. ``data`` and ``valid`` given on
+    another device (a CPU tensor or a numpy array for a CUDA model) are copied to the model's
+    device once, whole, when the call starts: one transfer per call and device memory for the
+    whole set (``N x V`` int64 entries for discrete circuits, floats of the model's dtype for
+    real-valued ones, plus an ``N x V`` bool mask), and no host-to-device copy per batch. The
+    shuffled order is drawn on the CPU (the same order for a ``seed`` on every device) and moved
+    once per epoch. A data set too large for the device memory: call :meth:`EM.accumulate
+    <circuits.learn.EM.accumulate>` (which moves each batch it is given) and ``step`` on batches
+    of your own.
+
     Raises:
         InvalidInputError: bad arguments or data (one message naming the variable and value),
             before any parameter changes.
@@ -183,13 +194,14 @@ def _run(model: CircuitCore, train: Dataset, valid: Dataset | None, optimizer: t
 def _train_epoch(model: CircuitCore, train: Dataset, optimizer: torch.optim.Optimizer,
                  batch_size: int, generator: torch.Generator, context: LearningContext) -> float:
     """One pass over the shuffled rows; returns the mean log-likelihood per row (before updates)."""
-    order = torch.randperm(len(train), generator=generator)
-    total = torch.zeros(2, dtype=torch.float64)  # (sum of log-likelihoods, rows)
-    device = train.x.device
+    device = train.x.device  # the model's (prepare_data)
+    # drawn on the CPU generator's device (the same order on every device), moved once per epoch
+    order = torch.randperm(len(train), generator=generator, device=generator.device).to(device)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of log-likelihoods, rows)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     for start in range(0, len(train), batch_size):
         batch = order[start:start + batch_size]
-        mine = context.shard(batch).to(device)
+        mine = context.shard(batch)
         x, observed = train.rows(mine)
         if isinstance(optimizer, EM):
             log_likelihood = optimizer.accumulate_checked(x, observed)
@@ -202,7 +214,7 @@ def _train_epoch(model: CircuitCore, train: Dataset, optimizer: torch.optim.Opti
                 log_likelihood = normalised_log_likelihood(model, x, observed)
                 (-log_likelihood.sum() / batch.shape[0]).backward()
             else:
-                log_likelihood = torch.zeros(0, dtype=torch.float64)
+                log_likelihood = torch.zeros(0, dtype=torch.float64, device=device)
             if context.enabled:
                 grads = []
                 for p in parameters:
@@ -212,7 +224,7 @@ def _train_epoch(model: CircuitCore, train: Dataset, optimizer: torch.optim.Opti
                         grads.append(p.grad)
                 context.all_sum_(grads)
             optimizer.step()
-        total[0] += log_likelihood.detach().double().sum().cpu()
+        total[0] += log_likelihood.detach().double().sum()
         total[1] += x.shape[0]
     context.all_sum_([total])
     return float(total[0] / total[1])
@@ -229,14 +241,14 @@ def normalised_log_likelihood(model: CircuitCore, x: Tensor, observed: Tensor | 
 @torch.no_grad()
 def _evaluate(model: CircuitCore, data: Dataset, batch_size: int, context: LearningContext) -> float:
     """Mean log-likelihood per row of ``data`` (every process reads its share)."""
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=data.x.device)
     rows = torch.arange(len(data), device=data.x.device)
     for start in range(0, len(data), batch_size):
         mine = context.shard(rows[start:start + batch_size])
         if mine.shape[0] == 0:
             continue
         x, observed = data.rows(mine)
-        total[0] += normalised_log_likelihood(model, x, observed).double().sum().cpu()
+        total[0] += normalised_log_likelihood(model, x, observed).double().sum()
         total[1] += mine.shape[0]
     context.all_sum_([total])
     return float(total[0] / total[1]) if total[1] > 0 else math.nan

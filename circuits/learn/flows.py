@@ -29,6 +29,8 @@ a sum fold
 input (Hadamard) or sum it over the other inputs' digits (Kronecker), and reads route it back to
 the folds they came from. No autograd graph is built and no normalisation is recomputed: the
 pass reads the cached ``exp`` of the weights that the forward used.
+The top-down walk and the sum step ``(S, G_in)`` are those of the derivative pass behind the
+conditional queries (:func:`circuits.compiled.derivatives.top_down`); the flows only add ``n``.
 
 Flows are invariant under the rescalings that turn an unnormalised circuit into its normalised
 equivalent (see :mod:`circuits.learn.normal_form`), so they are computed on the parameters as
@@ -44,15 +46,8 @@ import torch
 from torch import Tensor
 
 from circuits.compiled import CircuitCore, LogParameters
-from circuits.compiled.layers import (
-    FoldedInput,
-    FoldedProduct,
-    FoldedSum,
-    RoutedFold,
-    Semiring,
-    gather_inputs,
-)
-from circuits.symbolic import ProductKind
+from circuits.compiled.derivatives import sum_input_gradient, sum_scale, top_down
+from circuits.compiled.layers import FoldedInput, FoldedProduct, FoldedSum, Semiring, gather_inputs
 
 
 @dataclass
@@ -147,7 +142,7 @@ def circuit_flows(circuit: CircuitCore, prepared: LogParameters, x: Tensor, obse
     tables = tables if tables is not None else InputTables()
     outputs: list[Tensor] = []
     inputs: dict[int, InputRows] = {}
-    sum_parts: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # (joined input, P, P W^T)
+    sum_parts: dict[int, tuple[Tensor, tuple[Tensor, Tensor] | None]] = {}  # joined, (P, P W^T)
     for plan, module in zip(circuit.plans, circuit.folds, strict=True):
         if isinstance(module, FoldedInput):
             log_probs = prepared.values[plan.fold_id]
@@ -164,48 +159,28 @@ def circuit_flows(circuit: CircuitCore, prepared: LogParameters, x: Tensor, obse
             keep: dict[str, Tensor] = {}
             out = module(joined, log_weights, Semiring.SUM,
                          partial(prepared.exp_weights, plan.fold_id), keep)
-            if keep:
-                sum_parts[plan.fold_id] = (joined, keep["probs"], keep["total"])
-            else:  # a fused kernel ran: the top-down step recomputes P and P W^T
-                sum_parts[plan.fold_id] = (joined, joined, out)
+            # without keep a fused kernel ran: the top-down step recomputes P and P W^T
+            sum_parts[plan.fold_id] = (joined, (keep["probs"], keep["total"]) if keep else None)
         else:
             assert isinstance(module, FoldedProduct)
             out = module(gather_inputs(outputs, plan, module.index_buffers(), module.input_slices,
                                        module.routes))
         outputs.append(out)
     root = outputs[-1][0, :, 0]
-    grads: list[Tensor | None] = [None] * len(outputs)
     seed = torch.ones_like(outputs[-1])
     if row_weights is not None:
         seed = seed * row_weights.to(seed.dtype)[None, :, None]
-    grads[-1] = seed
     sum_counts: dict[int, Tensor] = {}
-    input_flows: dict[int, Tensor] = {}
-    for plan, module in zip(reversed(circuit.plans), reversed(circuit.folds), strict=True):
-        grad = grads[plan.fold_id]
-        grads[plan.fold_id] = None  # release as we go
-        if grad is None:
-            continue
-        if isinstance(module, FoldedInput):
-            input_flows[plan.fold_id] = grad
-            continue
-        assert isinstance(module, RoutedFold)
-        if isinstance(module, FoldedSum):
-            grad_in, counts = _sum_flows(sum_parts[plan.fold_id], outputs[plan.fold_id], grad,
-                                         prepared, plan.fold_id)
-            sum_counts[plan.fold_id] = counts
-            parts = list(grad_in.split(list(plan.input_widths), dim=-1))
-        elif plan.product_kind is ProductKind.HADAMARD:
-            parts = [grad] * len(plan.input_widths)
-        else:
-            fold, batch = grad.shape[:2]
-            digits = grad.reshape(fold, batch, *plan.input_widths)
-            axes = range(2, 2 + len(plan.input_widths))
-            parts = [digits.sum(dim=tuple(a for a in axes if a != 2 + h))
-                     if len(plan.input_widths) > 1 else digits
-                     for h in range(len(plan.input_widths))]
-        for h, part in enumerate(parts):
-            _route_back(grads, outputs, module, h, part)
+
+    def through_sum(fold_id: int, grad: Tensor) -> Tensor:
+        """The derivative pass's sum step, and the weights' counts ``n = W * (S^T @ P)``."""
+        joined, kept = sum_parts[fold_id]
+        weights = prepared.exp_weights(fold_id)
+        probs, scale = sum_scale(joined, outputs[fold_id], grad, weights, kept)
+        sum_counts[fold_id] = weights.weights * torch.bmm(scale.transpose(1, 2), probs)
+        return sum_input_gradient(probs, scale, weights)
+
+    input_flows = top_down(circuit, outputs, seed, through_sum)
     return Flows(root, sum_counts, input_flows, inputs)
 
 
@@ -220,51 +195,6 @@ def _categorical_values(module: FoldedInput, rows: InputRows, table: Tensor,
         return out
     free = log_mass[:, None, :] if not module.parameterization.normalized else out.new_zeros(())
     return torch.where(rows.seen.T[:, :, None], out, free)
-
-
-def _sum_flows(parts: tuple[Tensor, Tensor, Tensor], out: Tensor, grad: Tensor,
-               prepared: LogParameters, fold_id: int) -> tuple[Tensor, Tensor]:
-    """``(G_in (F, B, D), n (F, K, D))`` of a sum fold given its flows ``grad`` (F, B, K).
-
-    ``parts`` is ``(joined input, P, P W^T)`` as the torch path of the forward kept them, or
-    ``(joined, joined, out)`` after a fused kernel (then ``P`` and ``P W^T = exp(out - shift)``
-    are recomputed here).
-    """
-    weights = prepared.exp_weights(fold_id)
-    joined, probs, total = parts
-    if probs is joined:
-        in_max = joined.amax(-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        probs = (joined - in_max).exp_()
-        scale = (in_max + weights.shift - out).exp_().mul_(grad)
-    else:
-        scale = grad / total
-    scale = scale.nan_to_num_(nan=0.0, posinf=0.0)  # units of value 0 pass on no flow
-    grad_in = probs * torch.bmm(scale, weights.weights)
-    counts = weights.weights * torch.bmm(scale.transpose(1, 2), probs)
-    return grad_in, counts
-
-
-def _route_back(grads: list[Tensor | None], outputs: list[Tensor], module: RoutedFold, h: int,
-                part: Tensor) -> None:
-    """Add input ``h``'s flows ``part`` (F, B, K_h) to the flows of the units it read."""
-    address = module.plan.inputs[h]
-    window = module.input_slices[h]
-    if len(address.sources) == 1:
-        target = _buffer(grads, outputs, address.sources[0])
-        if window is not None:
-            target[window].add_(part)  # a strided view: accumulates in place
-        else:
-            target.index_add_(0, module.index_buffers()[h], part)
-        return
-    for source, folds, slots in module.routes(h):
-        _buffer(grads, outputs, source).index_add_(0, slots, part.index_select(0, folds))
-
-
-def _buffer(grads: list[Tensor | None], outputs: list[Tensor], fold_id: int) -> Tensor:
-    grad = grads[fold_id]
-    if grad is None:
-        grad = grads[fold_id] = torch.zeros_like(outputs[fold_id])
-    return grad
 
 
 __all__ = ["Flows", "InputRows", "InputTables", "circuit_flows", "input_rows", "is_categorical"]

@@ -31,7 +31,7 @@ from circuits.compiled.layers import FoldedInput, FoldedSum
 def unit_log_partitions(circuit: CircuitCore, prepared: LogParameters) -> Trace:
     """The trace of a one-row pass with every variable summed out: ``outputs[i][:, 0]`` is the
     ``(F, K)`` ``log Z`` of fold ``i``'s units and ``sum_inputs[i][:, 0]`` that of its inputs."""
-    x = torch.zeros(1, circuit.num_variables, dtype=torch.long, device=circuit.categories.device)
+    x = torch.zeros(1, circuit.num_variables, dtype=torch.long, device=circuit.device)
     trace = Trace()
     circuit.evaluate(x, torch.zeros_like(x, dtype=torch.bool), prepared, trace=trace)
     return trace

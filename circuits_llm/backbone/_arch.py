@@ -22,7 +22,8 @@ class UnsupportedModelError(ValueError):
 
 #: Attribute paths (relative to the base model) tried, in order, for the decoder layer list.
 LAYER_LIST_PATHS: tuple[str, ...] = ("layers", "h", "blocks", "decoder.layers", "transformer.h", "block")
-#: Attribute names (on the base model) tried, in order, for the final norm.
+#: Attribute paths (relative to the base model) tried, in order, for the final norm (OPT keeps it
+#: on its decoder: ``decoder.final_layer_norm``).
 FINAL_NORM_NAMES: tuple[str, ...] = (
     "norm",
     "ln_f",
@@ -30,7 +31,12 @@ FINAL_NORM_NAMES: tuple[str, ...] = (
     "final_layernorm",
     "norm_f",
     "final_norm",
+    "decoder.final_layer_norm",
+    "decoder.norm",
 )
+#: Attribute paths of a projection applied after the final norm, before the LM head (OPT models whose
+#: ``word_embed_proj_dim`` differs from ``hidden_size``: ``decoder.project_out``).
+OUTPUT_PROJECTION_PATHS: tuple[str, ...] = ("decoder.project_out",)
 #: Cache layer classes whose ``crop`` is an exact rollback (others, e.g. linear attention, are refused).
 _CROPPABLE_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
@@ -42,7 +48,9 @@ class ModelParts:
     Attributes:
         base: the base (decoder-only) model, e.g. ``LlamaModel`` or ``GPT2Model``.
         layers: the decoder layers, in order (``num_layers`` entries).
-        final_norm: the norm applied to the last layer's output, or ``None`` if none was found.
+        final_norm: what the base model applies to the last layer's output before the LM head (its
+            final norm, followed by an output projection where it has one, as OPT's
+            ``project_out``), or ``None`` if none was found.
         lm_head: the output embedding mapping (…, d) hidden states to (…, V) logits.
         num_layers: number of decoder layers.
         vocab_size: number of logits per position (V).
@@ -66,6 +74,13 @@ def _resolve(root: nn.Module, path: str) -> object | None:
         if obj is None:
             return None
     return obj
+
+
+def _declared_none(root: nn.Module, path: str) -> bool:
+    """Whether the attribute at ``path`` exists and is ``None`` (a part the model declares absent)."""
+    parent_path, _, name = path.rpartition(".")
+    parent = _resolve(root, parent_path) if parent_path else root
+    return parent is not None and name in vars(parent) and getattr(parent, name) is None
 
 
 def find_parts(model: nn.Module) -> ModelParts:
@@ -109,12 +124,14 @@ def find_parts(model: nn.Module) -> ModelParts:
                 f"ModuleLists of length num_hidden_layers={num_layers}"
             )
         layers = candidates[0]
-    final_norm = None
-    for name in FINAL_NORM_NAMES:
-        found = getattr(base, name, None)
-        if isinstance(found, nn.Module):
-            final_norm = found
-            break
+    final_norm = next((found for path in FINAL_NORM_NAMES
+                       if isinstance(found := _resolve(base, path), nn.Module)), None)
+    if final_norm is None and any(_declared_none(base, path) for path in FINAL_NORM_NAMES):
+        final_norm = nn.Identity()  # the model says it has none (OPT-350m: do_layer_norm_before=False)
+    projection = next((found for path in OUTPUT_PROJECTION_PATHS
+                       if isinstance(found := _resolve(base, path), nn.Module)), None)
+    if projection is not None:  # what the base model applies after its last layer, in its order
+        final_norm = nn.Sequential(*(m for m in (final_norm, projection) if m is not None))
     vocab_size = int(getattr(lm_head, "out_features", None) or config.vocab_size)
     hidden_size = int(getattr(lm_head, "in_features", None) or config.hidden_size)
     return ModelParts(base, layers, final_norm, lm_head, num_layers, vocab_size, hidden_size)
