@@ -238,3 +238,15 @@ def test_the_guard_catches_a_tensor_made_on_the_default_device() -> None:
     assert guard.made == 1
     with OtherDefaultDevice():  # the same call outside the package is torch's business
         torch.where(mask, x, torch.zeros((), dtype=x.dtype))
+
+
+def test_collectives_move_cpu_tensors_to_the_gpu_only_under_nccl() -> None:
+    """nccl moves CUDA tensors only: a CPU loss total or row count goes to the rank's GPU first;
+    gloo takes every tensor where it is (so CPU runs never touch CUDA)."""
+    from circuits.learn.distributed import collective_device
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert collective_device("nccl", cpu, 1) == gpu
+    assert collective_device("nccl", gpu, 0) == gpu
+    assert collective_device("gloo", cpu, 1) == cpu
+    assert collective_device("gloo", gpu, 0) == gpu

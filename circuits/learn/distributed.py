@@ -32,6 +32,21 @@ from torch import Tensor
 from circuits.errors import InvalidInputError
 
 
+def collective_device(backend: str, device: torch.device, cuda_index: int = 0) -> torch.device:
+    """Where a tensor on ``device`` must be for a collective of ``backend``: nccl moves only CUDA
+    tensors, so a CPU tensor (a loss total, a row count) goes to this rank's GPU ``cuda_index``;
+    gloo takes tensors where they are."""
+    if backend == "nccl" and device.type != "cuda":
+        return torch.device("cuda", cuda_index)
+    return device
+
+
+def _wire(tensor: Tensor) -> Tensor:
+    """``tensor`` on the device the process group's backend moves (a copy only when it must)."""
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return tensor.to(collective_device(str(dist.get_backend()), tensor.device, index))
+
+
 @dataclass
 class LearningContext:
     """This process's place in the job.
@@ -65,16 +80,17 @@ class LearningContext:
 
     def all_sum(self, value: Tensor) -> Tensor:
         """Sum ``value`` over ranks (a copy; the input is untouched)."""
-        total = value.detach().clone()
-        if self.enabled:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total
+        if not self.enabled:
+            return value.detach().clone()
+        total = _wire(value.detach()).clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total.to(value.device)
 
     def all_sum_(self, tensors: list[Tensor]) -> None:
         """Sum every tensor over ranks, in place (one collective for all of them)."""
         if not self.enabled or not tensors:
             return
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        flat = _wire(torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
         for tensor in tensors:
@@ -86,17 +102,17 @@ class LearningContext:
         """Every rank's ``tensor`` (n_r, ...) concatenated in rank order (sizes may differ)."""
         if not self.enabled:
             return tensor
-        size = torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device)
+        size = _wire(torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device))
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         dist.all_gather(sizes, size)
         largest = max(int(s) for s in sizes)
         padded = tensor.new_zeros((largest, *tensor.shape[1:]))
         padded[:tensor.shape[0]] = tensor
         # gloo gathers no bool tensors: send bytes
-        wire = padded.to(torch.uint8) if padded.dtype == torch.bool else padded
+        wire = _wire(padded.to(torch.uint8) if padded.dtype == torch.bool else padded)
         parts = [torch.empty_like(wire) for _ in range(self.world_size)]
         dist.all_gather(parts, wire.contiguous())
-        rows = torch.cat([part[:int(n)] for part, n in zip(parts, sizes, strict=True)])
+        rows = torch.cat([part[:int(n)] for part, n in zip(parts, sizes, strict=True)]).to(tensor.device)
         return rows.to(torch.bool) if tensor.dtype == torch.bool else rows
 
     def replica_difference(self, parameters: list[Tensor]) -> float:
@@ -106,7 +122,7 @@ class LearningContext:
         """
         if not self.enabled or not parameters:
             return 0.0
-        mine = torch.cat([p.detach().reshape(-1).float() for p in parameters])
+        mine = _wire(torch.cat([p.detach().reshape(-1).float() for p in parameters]))
         reference = mine.clone()
         dist.broadcast(reference, src=0)
         largest = (mine - reference).abs().max().reshape(1)
