@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrai
 
 from circuits_llm.app.cli import main
 from circuits_llm.text import byte_level as data
-from circuits_llm.text import models, references
+from circuits_llm.text import references
 from circuits_llm.text.models import load_causal_lm, load_model
 from circuits_llm.text.references import (
     EMBEDDED,

@@ -3,7 +3,7 @@
 :func:`compare_decoders` is the decoding part of ``circuits-llm demo | bench`` and of the head
 study (``benchmarks/study.py``). The decoders run interleaved prompt by prompt, so machine-load
 drift hits them alike, with the same seed per prompt. :class:`Comparison` pools the results into
-:class:`~circuits_llm.app.report.DecoderRow` rows and checks that greedy decoding gave every decoder
+:class:`~circuits_llm.app.rows.DecoderRow` rows and checks that greedy decoding gave every decoder
 the autoregressive tokens.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from circuits_llm.app.report import BASELINE, DecodeMode, DecoderRow, with_speedups
+from circuits_llm.app.rows import BASELINE, DecodeMode, DecoderRow, with_speedups
 from circuits_llm.decoding.metrics import DecodeResult, aggregate
 
 
@@ -28,7 +28,7 @@ class Comparison:
     results: dict[DecodeMode, dict[str, list[DecodeResult]]]
 
     def rows(self) -> list[DecoderRow]:
-        """Pooled rows with speed-ups (see :mod:`circuits_llm.app.report`)."""
+        """Pooled rows with speed-ups (see :mod:`circuits_llm.app.rows`)."""
         rows = [DecoderRow.from_summary(name, mode, len(results), aggregate(results))
                 for mode, by_decoder in self.results.items() for name, results in by_decoder.items()]
         return with_speedups(rows)

@@ -10,7 +10,10 @@ are then called with the same arguments, their own KV cache substituted for the 
 the result goes through the model's final norm.
 
 The draft copies share the frozen base weights with the verifier (no extra weight memory); only
-the LoRA matrices (peft, ``lora_B`` initialised to zero) are new and trainable.
+the LoRA matrices (peft, ``lora_B`` initialised to zero) are new and trainable. How the branch is
+built (which layers, which sub-modules get adapters) is ``_lora.py``'s; what a failed static or
+compiled call raises is ``_step_errors.py``'s; this module holds the backbone itself: its caches,
+the forward that fills them and runs the branch, and the training and adapter API.
 
 Two caches (:class:`CacheKind`): ``transformers``' ``DynamicCache`` (cropped on rollback), or
 preallocated static caches rolled back by a length reset (``_static.py``), on which ``compile=True``
@@ -19,29 +22,22 @@ runs the whole step (verifier forward and draft branch) as one compiled graph pe
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from circuits.errors import InvalidInputError
 from circuits_llm.backbone._adapter_io import load_adapter_into, save_adapter_from
-from circuits_llm.backbone._arch import (
-    FINAL_NORM_NAMES,
-    UnsupportedModelError,
-    check_cache_support,
-    find_parts,
-    is_conv1d_target,
-    lora_target_names,
-)
-from circuits_llm.backbone._capture import Capture, capture_hooks, draft_output, is_capture_hook
+from circuits_llm.backbone._arch import UnsupportedModelError, check_cache_support, find_parts
+from circuits_llm.backbone._capture import Capture, capture_hooks, draft_output
+from circuits_llm.backbone._lora import draft_branch, lora_options, lora_parameters, lora_state
 from circuits_llm.backbone._static import CacheKind, StaticCaches, compile_step, resolve_cache_options
+from circuits_llm.backbone._step_errors import TOKEN_RANGE_MESSAGE, static_step_error
 from circuits_llm.backbone._validate import (
     check_attention_mask,
     check_int,
@@ -50,25 +46,6 @@ from circuits_llm.backbone._validate import (
 )
 from circuits_llm.protocols import BackboneStep
 from circuits_llm.text.models import config_fingerprint
-
-#: Message of the in-graph id check of the compiled backbone (found again in the error it raises).
-_TOKEN_RANGE_MESSAGE = "HFBackbone: a token id is outside the vocabulary"
-
-
-def _share_params_deepcopy(module: nn.Module) -> nn.Module:
-    """Deep-copy ``module`` but keep the very same parameter and buffer tensors (shared, not cloned).
-
-    The model's capture hooks (``_capture.py``) are not copied: they belong to the verifier's layers,
-    and on a copy they would record the draft branch's calls as the verifier's.
-    """
-    memo: dict[int, object] = {id(t): t for t in module.parameters()}
-    memo.update({id(t): t for t in module.buffers()})
-    copied = copy.deepcopy(module, memo)
-    for sub in copied.modules():
-        for key in [key for key, hook in sub._forward_pre_hooks.items() if is_capture_hook(hook)]:
-            del sub._forward_pre_hooks[key]
-            sub._forward_pre_hooks_with_kwargs.pop(key, None)
-    return copied
 
 
 class HFBackbone(nn.Module):
@@ -134,36 +111,16 @@ class HFBackbone(nn.Module):
         parts = find_parts(model)
         check_cache_support(model)
         self.num_layers = parts.num_layers
-        self.lora_layers = check_int(lora_layers, "lora_layers", 0, parts.num_layers)
-        self.lora_rank = check_int(lora_rank, "lora_rank", 1)
-        alpha = float(lora_rank if lora_alpha is None else lora_alpha)
-        if isinstance(lora_alpha, bool) or not alpha > 0:
-            raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
-        self.lora_alpha = alpha
-        if (
-            isinstance(lora_dropout, bool)
-            or not isinstance(lora_dropout, int | float)
-            or not 0 <= lora_dropout < 1
-        ):
-            raise ValueError(f"lora_dropout must be a float in [0, 1), got {lora_dropout!r}")
-        self.lora_dropout = float(lora_dropout)
+        lora = lora_options(lora_layers, lora_rank, lora_alpha, lora_dropout, parts.num_layers)
+        self.lora_layers, self.lora_rank = lora.layers, lora.rank
+        self.lora_alpha, self.lora_dropout = lora.alpha, lora.dropout
         self.cache_kind, capacity = resolve_cache_options(model, cache, compile, max_cache_len,
                                                           compiled_lengths)
         self.vocab_size = parts.vocab_size
         self.hidden_size = parts.hidden_size
         self.model = model
         self._parts = parts
-        if self.lora_layers > 0 and parts.final_norm is None:
-            raise UnsupportedModelError(
-                f"no final norm found on {type(parts.base).__name__} (looked for an attribute among "
-                f"{', '.join(FINAL_NORM_NAMES)}); it is needed for lora_layers > 0"
-            )
-        self.draft_layers = nn.ModuleList(
-            _share_params_deepcopy(layer) for layer in parts.layers[parts.num_layers - self.lora_layers :]
-        )
-        self.lora_target_modules: list[str] = []
-        if self.lora_layers > 0:
-            self._inject_lora(lora_target_modules)
+        self.draft_layers, self.lora_target_modules = draft_branch(parts, lora, lora_target_modules)
         model.requires_grad_(False)  # the draft copies share these weights: frozen too
         model.eval()
         self._fingerprint = config_fingerprint(model)
@@ -181,37 +138,6 @@ class HFBackbone(nn.Module):
             self._compiled_step = compile_step(self._checked_static_step, self.device)
             for length in (1,) if compiled_lengths is None else compiled_lengths:
                 self.add_compiled_length(length)
-
-    def _inject_lora(self, target_modules: list[str] | None) -> None:
-        """Wrap the draft layers' linear sub-modules with peft LoRA adapters (``lora_B`` = 0)."""
-        first = self.draft_layers[0]
-        if target_modules is None:
-            names, conv = lora_target_names(first)
-        else:
-            if (
-                not isinstance(target_modules, list | tuple)
-                or not target_modules
-                or not all(isinstance(n, str) and n for n in target_modules)
-            ):
-                raise ValueError(
-                    "lora_target_modules must be None or a non-empty list of module names, "
-                    f"got {target_modules!r}"
-                )
-            names = sorted(set(target_modules))
-            conv = is_conv1d_target(first, names)
-        config = LoraConfig(
-            r=self.lora_rank,
-            lora_alpha=self.lora_alpha,
-            lora_dropout=self.lora_dropout,
-            target_modules=names,
-            fan_in_fan_out=conv,
-            bias="none",
-            init_lora_weights=True,
-        )
-        inject_adapter_in_model(config, self.draft_layers)
-        self.lora_target_modules = names
-        if not self.draft_parameters():
-            raise UnsupportedModelError(f"peft created no LoRA parameters for target modules {names}")
 
     # ------------------------------------------------------------------ Backbone protocol
 
@@ -397,26 +323,11 @@ class HFBackbone(nn.Module):
             # Some layers may have written their slots and advanced their length and others not.
             static.discard()
             self._length, self._batch = 0, 0
-            if use_graph and isinstance(error, RuntimeError) and _TOKEN_RANGE_MESSAGE in str(error):
-                raise InvalidInputError(
-                    f"tokens contains an id outside the vocabulary [0, {self.vocab_size}) (checked inside "
-                    "the compiled graph; the caches were emptied)"
-                ) from error
-            if isinstance(error, torch._dynamo.exc.TorchDynamoException):
-                first_line = (str(error).strip().splitlines() or [""])[0]
-                raise UnsupportedModelError(
-                    f"{type(self.model).__name__} with lora_layers={self.lora_layers} cannot be compiled "
-                    f"as one graph (torch.compile, fullgraph=True, static shapes): {type(error).__name__}: "
-                    f"{first_line}. Pass compile=False (cache=CacheKind.STATIC runs the same step eagerly)"
-                ) from error
-            if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
-                raise RuntimeError(
-                    f"the compiled backbone needs a new graph for batch size {batch} and length {m}, but "
-                    f"it already has torch._dynamo.config.recompile_limit="
-                    f"{torch._dynamo.config.recompile_limit} graphs (one per batch size, compiled length "
-                    "and training mode): use fewer of them, or raise that limit"
-                ) from error
-            raise
+            clearer = static_step_error(error, type(self.model).__name__, self.lora_layers,
+                                        self.vocab_size, batch, m, use_graph)
+            if clearer is None:
+                raise
+            raise clearer from error
         self._batch = batch
         self._length = start + m
         return BackboneStep(verifier_logits=logits, draft_hidden=draft)
@@ -448,15 +359,11 @@ class HFBackbone(nn.Module):
 
     def draft_parameters(self) -> list[nn.Parameter]:
         """The trainable LoRA parameters of the draft branch (empty when ``lora_layers == 0``)."""
-        return [p for name, p in self.draft_layers.named_parameters() if "lora_" in name]
+        return lora_parameters(self.draft_layers)
 
     def lora_state_dict(self) -> dict[str, Tensor]:
         """Name -> tensor of every LoRA parameter of the draft branch (detached, on CPU)."""
-        return {
-            name: p.detach().cpu().contiguous()
-            for name, p in self.draft_layers.named_parameters()
-            if "lora_" in name
-        }
+        return lora_state(self.draft_layers)
 
     def adapter_metadata(self) -> dict[str, object]:
         """What a saved adapter must agree on with the backbone it is loaded into."""
@@ -523,5 +430,5 @@ class HFBackbone(nn.Module):
 
     def _checked_static_step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`_static_step` after an id range check that stays on the device (the compiled step)."""
-        torch._assert_async(((tokens >= 0) & (tokens < self.vocab_size)).all(), _TOKEN_RANGE_MESSAGE)
+        torch._assert_async(((tokens >= 0) & (tokens < self.vocab_size)).all(), TOKEN_RANGE_MESSAGE)
         return self._static_step(tokens)

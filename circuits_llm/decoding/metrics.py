@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from torch import Tensor
 
@@ -89,6 +90,24 @@ class DecodeSummary:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     throughput: float = 0.0
+
+    def reported(self) -> dict[str, Any]:
+        """The fields of :data:`REPORTED` by name, as a pooled report row carries them (a row of
+        :class:`~circuits_llm.app.rows.DecoderRow` is made from exactly these; its containers are
+        copies)."""
+        values = {name: getattr(self, name) for name in REPORTED}
+        values["acceptance_by_position"] = tuple(self.acceptance_by_position)
+        values["mean_split_s"] = dict(self.mean_split_s)
+        return values
+
+
+#: The fields of a :class:`DecodeSummary` that a decoder comparison reports per decoder and mode
+#: (:meth:`DecodeSummary.reported`); the others (drafted and accepted totals, backbone calls,
+#: conditional acceptance, prefill and decode seconds) stay in the summary.
+REPORTED: tuple[str, ...] = (
+    "new_tokens", "rounds", "mean_latency_s", "tokens_per_round", "tokens_per_call",
+    "acceptance_rate", "acceptance_by_position", "throughput", "mean_split_s",
+)
 
 
 @dataclass(frozen=True)

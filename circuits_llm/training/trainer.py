@@ -1,4 +1,4 @@
-"""One head-training run in one process: :class:`Trainer` (steps, validation, checkpoints).
+"""One head-training run in one process: :class:`Trainer` (steps, validation, the loop).
 
 One step (MTPC paper Sec. 4.1): draw ``batch_size`` sequences, run the frozen backbone
 (``HFBackbone.hidden_states``: (B, L, d) draft hidden states, through the LoRA branch when
@@ -6,14 +6,10 @@ One step (MTPC paper Sec. 4.1): draw ``batch_size`` sequences, run the frozen ba
 window, slot ``j`` weighted ``gamma^(j-1)``, per valid token normalisation), and take one AdamW
 step on the head's and the LoRA parameters at a constant learning rate.
 
-Nothing poisoned is kept (:class:`NonFiniteTrainingError`, naming the step and the last good
-checkpoint): head outputs that the circuit refuses (NaN, +inf, a distribution or sum unit with no
-mass: :class:`~circuits.errors.InvalidParameterError`) and a NaN or infinite global loss or
-gradient norm stop before the optimiser step; a non-finite parameter stops before a checkpoint is
-written. The checks only read tensors, so a run stays bit-identical to one without them. Under
-DDP the loss and gradient checks see all-reduced values, so every rank stops at the same step; an
-invalid output is seen by the rank that computed it, whose exit makes torchrun stop the others
-(rank 0 cannot have saved the step: it waits for that rank's gradients).
+Nothing poisoned is kept (:class:`~circuits_llm.training.guards.NonFiniteTrainingError`, naming
+the step and the last good checkpoint; :mod:`circuits_llm.training.guards`): a refused head output
+or a NaN or infinite global loss or gradient norm stops before the optimiser step, a non-finite
+parameter before a checkpoint is written.
 
 The head is sized when the trainer is made (:func:`~circuits_llm.training.build.plan_head`: within
 ``head_budget`` of the backbone by default) and built once the training data are known
@@ -21,6 +17,12 @@ The head is sized when the trainer is made (:func:`~circuits_llm.training.build.
 peak memory is measured (:class:`~circuits_llm.training.memory.StepMemory`: CUDA's peak
 allocation, or the process's peak resident memory on CPU) and reported in the history, the
 progress bar and ``training.json``.
+
+The trainer's parts live beside it: the checkpoint it resumes from and saves
+(:class:`~circuits_llm.training.checkpointing.RunCheckpoint`), the guards that stop a step
+(:mod:`circuits_llm.training.guards`), and the loop's progress bar and agreed early stop
+(:mod:`circuits_llm.training.progress`). What stays here is the run's state and what changes it:
+the head and optimiser built, the step, the validations and their history, and the export.
 """
 
 from __future__ import annotations
@@ -37,37 +39,29 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from circuits.errors import InvalidParameterError, ParameterProblem
+from circuits.errors import InvalidParameterError
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.heads import MTPHead
-from circuits_llm.heads.io import head_tensors
-from circuits_llm.runtime.checkpoint import CheckpointError, CheckpointWriteError, save_checkpoint
+from circuits_llm.runtime.checkpoint import CheckpointWriteError
 from circuits_llm.text.models import backbone_identity
-from circuits_llm.training.build import build_backbone, build_head, head_fingerprint, plan_head
+from circuits_llm.training.build import build_backbone, build_head, plan_head
+from circuits_llm.training.checkpointing import RunCheckpoint
 from circuits_llm.training.config import HeadTrainingConfig
 from circuits_llm.training.datasets import SequenceSet, training_token_counts
 from circuits_llm.training.distributed import DistributedContext
+from circuits_llm.training.guards import (
+    NonFiniteTrainingError,
+    gradient_norm,
+    non_finite_error,
+    refused_output,
+)
 from circuits_llm.training.loss import default_gamma, mtp_loss
 from circuits_llm.training.memory import StepMemory
-from circuits_llm.training.results import (
-    HeadTrainingResult,
-    PositionValidation,
-    export_run,
-    record_config,
-)
-from circuits_llm.training.resume import (
-    CHECKPOINT_FILE,
-    CHECKPOINT_KIND,
-    check_config,
-    checkpoint_source,
-    read_state,
-)
+from circuits_llm.training.progress import agreed_stop, progress_bar, show_step
+from circuits_llm.training.results import HeadTrainingResult, PositionValidation, export_run
 from circuits_llm.training.signals import StopSignals, TrainingInterrupted
 
-
-class NonFiniteTrainingError(RuntimeError):
-    """The loss, the gradients or the parameters became NaN or infinite (the message names the
-    step and the last good checkpoint, which is kept)."""
+__all__ = ["DraftModel", "NonFiniteTrainingError", "Trainer"]
 
 
 class DraftModel(nn.Module):
@@ -120,8 +114,7 @@ class Trainer:
         self.recent_peak = 0  # the largest step peak since the last validation (bytes)
         self.last_peak = 0  # the last step's peak (bytes)
         self.initial: PositionValidation | None = None
-        self.saved_step: int | None = None  # the step of the checkpoint on disk, if any
-        self._saved_marker: tuple[int, int] | None = None  # (step, history length) on disk
+        self.checkpoint = RunCheckpoint(run_dir, config, self.fingerprint, context.is_writer)
         #: the share of training tokens inside the head's draft vocabulary (None: not compressed)
         self.draft_coverage: float | None = None
         # made by build_head, once the training data are known
@@ -146,119 +139,48 @@ class Trainer:
                                            weight_decay=self.config.weight_decay)
 
     # ------------------------------------------------------------------ checkpoints
-    @property
-    def checkpoint_path(self) -> Path:
-        return self.run_dir / CHECKPOINT_FILE
-
     def read_checkpoint(self, resume_from: str | Path | None = None,
                         ) -> tuple[dict[str, Any], Path] | None:
-        """The checkpoint to resume from (``checkpoint.pt`` or ``resume_from``), checked against
-        this run's config and model, or None for a fresh run. Needs no head.
-
-        Raises:
-            CheckpointError: a file failing its checksum, another config or another model, or
-                an exported run whose checkpoint is missing. Nothing is written.
-        """
-        source = checkpoint_source(self.run_dir, self.config, resume_from)
-        if source is None:
-            return None
-        state = read_state(source, explicit=resume_from is not None)
-        check_config(record_config(state, source), self.config, source)
-        if state["model_fingerprint"] != self.fingerprint:
-            raise CheckpointError(f"{source} was written while training against "
-                                  "another model (its config or LM head weights differ)")
-        return state, Path(source)
+        """The checked checkpoint to resume from, or None (:meth:`RunCheckpoint.read`)."""
+        return self.checkpoint.read(resume_from)
 
     def restore(self, found: tuple[dict[str, Any], Path] | None) -> None:
         """Load a checkpoint of :meth:`read_checkpoint` into the built head, the LoRA layers,
-        the optimiser and the generators (nothing for None).
+        the optimiser and the generators, and take over its progress (nothing for None).
 
         Raises:
-            CheckpointError: the checkpoint holds a head of another structure (e.g. a changed
-                circuit file or draft vocabulary size), or is corrupt. Nothing is written.
+            CheckpointError: see :meth:`RunCheckpoint.load_into`. Nothing is written.
         """
         if found is None:
             return
-        state, source = found
-        if state["head_fingerprint"] != head_fingerprint(self.head):
-            raise CheckpointError(f"{source} holds a head of another structure (was the circuit "
-                                  "file, or the training data that choose its draft vocabulary, "
-                                  "changed?)")
-        try:
-            self._load_tensors(state)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.generator.set_state(state["data_generator"])
-            torch.set_rng_state(state["torch_rng"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(f"{source} cannot be restored ({error}); the "
-                                  "file is corrupt") from None
+        state = self.checkpoint.load_into(found, self.head, self.backbone, self.optimizer,
+                                          self.generator)
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self.history, self.recent_losses = list(state["history"]), list(state["recent_losses"])
         self.initial = PositionValidation.from_dict(state["initial_validation"])
-        if source == self.checkpoint_path:
-            self.saved_step, self._saved_marker = self.step, (self.step, len(self.history))
-
-    def _load_tensors(self, state: dict[str, Any]) -> None:
-        own = head_tensors(self.head)
-        if set(state["head"]) != set(own):
-            raise KeyError(f"head tensors {sorted(set(state['head']) ^ set(own))}")
-        self.head.load_state_dict(state["head"], strict=False)
-        lora = {name: p for name, p in self.backbone.draft_layers.named_parameters()
-                if "lora_" in name}
-        if set(state["lora"]) != set(lora):
-            raise KeyError(f"LoRA tensors {sorted(set(state['lora']) ^ set(lora))}")
-        with torch.no_grad():
-            for name, value in state["lora"].items():
-                if value.shape != lora[name].shape:
-                    raise ValueError(f"LoRA tensor {name} has shape {tuple(value.shape)}")
-                lora[name].copy_(value)
 
     def kept(self) -> str:
         """What is on disk to resume from, for messages."""
-        if self.saved_step is not None:
-            return f"the last good checkpoint, step {self.saved_step}, is kept in " \
-                f"{self.checkpoint_path}"
-        if self.checkpoint_path.exists():
-            return f"{self.checkpoint_path} is left as it was"
-        return "no checkpoint was written"
+        return self.checkpoint.kept()
 
     def interrupted(self, stop: TrainingInterrupted) -> str:
         """The message of a run stopped at once by a signal."""
         which = f"a second {stop.signal.name}" if stop.second else stop.signal.name
-        again = "resume" if self.checkpoint_path.exists() else "start again"
+        again = "resume" if self.checkpoint.path.exists() else "start again"
         return f"stopped at once by {which} after step {self.step}; {self.kept()}; run the same " \
             f"command to {again}"
 
     def save(self) -> None:
-        """Write ``checkpoint.pt`` atomically, keeping the previous one (rank 0 writes).
-
-        Skipped when nothing changed since the last write (so a resumed run that does no step
-        does not displace the previous checkpoint with a copy of the current one).
+        """Write ``checkpoint.pt`` if anything changed (:meth:`RunCheckpoint.save`).
 
         Raises:
             NonFiniteTrainingError: a parameter is NaN or infinite (nothing is written).
             CheckpointWriteError: the write failed (``checkpoint.pt`` is unchanged).
         """
         assert self.initial is not None
-        marker = (self.step, len(self.history))
-        if marker == self._saved_marker:
-            return
-        head = {k: v.detach().cpu().clone() for k, v in head_tensors(self.head).items()}
-        lora = self.backbone.lora_state_dict()
-        bad = next((name for name, value in {**head, **lora}.items()
-                    if value.is_floating_point() and not bool(torch.isfinite(value).all())), None)
-        if bad is not None:
-            raise self.non_finite(self.step, f"parameter {bad} is NaN or infinite")
-        if self.context.is_writer:
-            save_checkpoint(self.checkpoint_path, CHECKPOINT_KIND, {
-                "config": self.config.to_dict(), "model_fingerprint": self.fingerprint,
-                "head_fingerprint": head_fingerprint(self.head), "head": head, "lora": lora,
-                "optimizer": self.optimizer.state_dict(),
-                "data_generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-                "step": self.step, "elapsed": self.elapsed, "history": self.history,
-                "recent_losses": self.recent_losses, "initial_validation": self.initial.to_dict()},
-                summary={"step": self.step}, keep_previous=True)
-        self.saved_step, self._saved_marker = self.step, marker
+        self.checkpoint.save(self.head, self.backbone, self.optimizer, self.generator, {
+            "step": self.step, "elapsed": self.elapsed, "history": self.history,
+            "recent_losses": self.recent_losses, "initial_validation": self.initial.to_dict()})
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
@@ -320,7 +242,7 @@ class Trainer:
         if config.grad_clip is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.grad_clip))
         else:
-            norm = _gradient_norm(self.parameters)
+            norm = gradient_norm(self.parameters)
         mean_loss = float(self.context.all_sum(loss.detach().double().cpu()) /
                           self.context.world_size)
         if not (math.isfinite(mean_loss) and math.isfinite(norm)):
@@ -335,10 +257,7 @@ class Trainer:
 
     def non_finite(self, step: int, what: str) -> NonFiniteTrainingError:
         """The error that stops training at ``step`` because ``what`` is not finite."""
-        return NonFiniteTrainingError(
-            f"step {step}: {what}; training stopped and nothing of this step was saved; "
-            f"{self.kept()}; start a new run directory with a lower --lr or with --grad-clip (the "
-            "same settings diverge again at this step)")
+        return non_finite_error(step, what, self.kept())
 
     @contextmanager
     def valid_outputs(self, step: int) -> Iterator[None]:
@@ -346,35 +265,7 @@ class Trainer:
         try:
             yield
         except InvalidParameterError as error:
-            place = f"{error.where}[{', '.join(map(str, error.index))}"
-            if error.problem is ParameterProblem.NO_MASS:  # index: (batch, fold, unit)
-                what, unit = f"{place}, :] has no mass", error.index[-1]
-            else:  # index: (batch, fold, unit, category or input)
-                problem = error.problem.value if error.problem else "invalid"
-                what, unit = f"{place}] is {problem}", error.index[-2]
-            raise self.non_finite(step, f"the head's output {what} (unit {unit} of "
-                                        f"{error.layer})") from None
-
-    def agreed_stop(self, deadline: float | None, signals: StopSignals) -> tuple[bool, bool]:
-        """``(time budget spent, stop signal received)``, each true if true on any rank."""
-        late = deadline is not None and time.perf_counter() >= deadline
-        flags = self.context.all_sum(torch.tensor([float(late),
-                                                   float(signals.received is not None)]))
-        return bool(flags[0] > 0), bool(flags[1] > 0)
-
-    @contextmanager
-    def progress_bar(self, limit: int) -> Iterator[Any]:
-        """A tqdm bar on rank 0 with ``progress`` (else None), closed however the loop ends."""
-        if not self.progress:
-            yield None
-            return
-        from tqdm import tqdm
-        bar = tqdm(total=limit, initial=min(self.step, limit), desc="train-head", unit="step",
-                   dynamic_ncols=True)
-        try:
-            yield bar
-        finally:
-            bar.close()
+            raise self.non_finite(step, refused_output(error)) from None
 
     def run(self, train: SequenceSet, validation: SequenceSet, started: float,
             max_seconds: float | None, max_steps: int | None,
@@ -391,9 +282,9 @@ class Trainer:
         elapsed_before, last_save = self.elapsed, time.perf_counter()
         loss = math.nan
         interrupted: signal.Signals | None = None
-        with self.progress_bar(limit) as bar:
+        with progress_bar(self.progress, limit, self.step) as bar:
             while self.step < limit:
-                late, signalled = self.agreed_stop(deadline, signals)
+                late, signalled = agreed_stop(self.context, deadline, signals)
                 if signalled:  # another rank may have got it: the signal is then SIGTERM's
                     interrupted = signals.received or signal.SIGTERM
                 if late or signalled:
@@ -408,13 +299,9 @@ class Trainer:
                 elif time.perf_counter() - last_save >= config.checkpoint_every_s:
                     self.save()
                     last_save = time.perf_counter()
-                if bar is not None:
-                    rate = (self.step - session_first) * config.batch_size * config.seq_len / \
-                        max(time.perf_counter() - session_start, 1e-9)
-                    bar.set_postfix(loss=f"{loss:.3f}", val_bits=f"{latest.mean_bits:.3f}",
-                                    tokens_s=f"{rate:,.0f}",
-                                    peak_mib=f"{self.last_peak / 2 ** 20:,.0f}")
-                    bar.update(1)
+                show_step(bar, loss, latest.mean_bits,
+                          (self.step - session_first) * config.batch_size * config.seq_len,
+                          time.perf_counter() - session_start, self.last_peak)
         session_seconds = time.perf_counter() - session_start
         if interrupted is None and latest.step != self.step:
             latest = self.record_validation(validation)
@@ -473,10 +360,3 @@ class Trainer:
 
 def _peak(entries: list[dict[str, Any]]) -> int:
     return max((int(e.get("peak_step_memory_bytes") or 0) for e in entries), default=0)
-
-
-def _gradient_norm(parameters: list[nn.Parameter]) -> float:
-    """The global L2 norm of the parameters' gradients (0.0 when there are none)."""
-    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in parameters
-             if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
