@@ -48,6 +48,18 @@ from circuits_llm.protocols import BackboneStep
 from circuits_llm.text.models import config_fingerprint
 
 
+def _drop_last(cache: DynamicCache, removed: int) -> None:
+    """Drop the last ``removed`` positions of every layer of ``cache`` that holds any.
+
+    transformers 5.x: ``crop`` takes minus the number of tokens to drop (a positive value raises).
+    Layers never written (the draft cache's layers below the draft branch) are skipped: up to
+    transformers 5.17 cropping one raised ``'NoneType' object is not subscriptable``.
+    """
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", True):
+            layer.crop(-removed)
+
+
 class HFBackbone(nn.Module):
     """A frozen Hugging Face causal LM with KV caches and an optional LoRA draft branch.
 
@@ -226,10 +238,9 @@ class HFBackbone(nn.Module):
         if self._static is not None:
             self._static.set_length(length)
         else:
-            # transformers 5.x: Cache.crop takes minus the number of tokens to drop (a positive value raises).
             removed = self._length - length
-            self._cache.crop(-removed)
-            self._draft_cache.crop(-removed)
+            _drop_last(self._cache, removed)
+            _drop_last(self._draft_cache, removed)
         self._length = length
 
     def extend(self, tokens: Tensor) -> BackboneStep:
