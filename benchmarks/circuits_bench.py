@@ -322,7 +322,7 @@ def run(*, quick: bool = False, with_cirkit: bool = True, scale: str = "full",
     warmup = 0 if quick else 1
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": bench_machine(), "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(), "dtype": "float32", "batch_size": batch,
         "quick": quick, "scale": scale, "rounds": rounds, "warmup": warmup, "targets": TARGETS,

@@ -199,7 +199,7 @@ def run(quick: bool, device: torch.device, log: Callable[[str], None]) -> dict[s
     return {
         "schema_version": SCHEMA_VERSION,
         "benchmark": "kernels_bench",
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "device": device_line(device),
         "dtype": str(dtype),
         "batch": batch,

@@ -328,7 +328,7 @@ def run(*, quick: bool = False, with_cirkit: bool = True, epochs: int | None = N
             log(f"... epoch {epoch + 1}/{epochs} done")
     return {
         "schema_version": SCHEMA_VERSION,
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": {**machine_info(threads=threads),
                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                     "note": ("shared machine: the epochs of all runs are interleaved, but absolute "

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime, timezone, UTC
 from pathlib import Path
 from typing import Any
 
@@ -301,7 +301,7 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
                       + "\n")
     result = {
         "schema_version": rep.SCHEMA_VERSION, "kind": rep.REPORT_KIND, "command": command,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": loaded.describe(), "machine": machine_info(device), "config": asdict(config),
         "heads": {h.name: h.record for h in heads}, "rows": [row.to_json() for row in rows],
         "unit": unit.value, "analysis": [item.to_json() for item in analysis],

@@ -22,7 +22,7 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timezone, UTC
 from pathlib import Path
 from types import TracebackType
 
@@ -58,7 +58,7 @@ class LockHolder:
     @classmethod
     def current(cls, command: str) -> LockHolder:
         """This process, now."""
-        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        started = datetime.now(UTC).isoformat(timespec="seconds")
         return cls(os.getpid(), socket.gethostname(), started, command)
 
     @classmethod
