@@ -19,5 +19,13 @@ venv="$venvs/floors-py$version"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 echo "== test suite on the oldest supported versions, Python $version ($venv)"
 make --no-print-directory test PY="$venv/bin/python" CONSTRAINTS=constraints-floors.txt
+# triton 3.6 beside the newest numpy (the GPU image pairs them): the interpreted kernel tests again
+echo "== triton's interpreter tests with triton 3.6 and the newest numpy"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade numpy
+status=0
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -k in_the_interpreter tests/test_kernels.py \
+  tests/test_kernels_softmax.py || status=$?
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints-floors.txt numpy
+[ "$status" = 0 ] || exit "$status"
 "$venv/bin/python" -m pip list --disable-pip-version-check 2>/dev/null \
   | grep -iE '^(torch|transformers|triton|numpy|peft|safetensors|networkx|matplotlib|gguf) ' || true

@@ -31,6 +31,36 @@ settings.register_profile(
 settings.load_profile("ci")
 
 
+def _mend_triton_interpreter() -> None:
+    """Under ``TRITON_INTERPRET=1`` with triton < 3.7: read scalar kernel arguments as triton 3.7 does.
+
+    triton 3.6's interpreter turns a kernel's integer argument into a one-element array and reads
+    it back with ``int(array)`` (e.g. ``for c0 in range(0, C, BLOCK)``); numpy >= 2.4 refuses that
+    ("only 0-dimensional arrays can be converted to Python scalars"). triton 3.7 squeezes first.
+    This applies the same one-line change for the interpreted tests only; compiled kernels never
+    run the interpreter, and the cubin tests compile every launch under triton 3.6 unchanged.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton.runtime.interpreter as interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_squeezes_scalars", False):
+        return
+
+    def patch_lang_tensor(tensor: object, scope: object) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))  # type: ignore[attr-defined]
+
+    patch_lang_tensor._squeezes_scalars = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+_mend_triton_interpreter()
+
+
 @pytest.fixture(autouse=True)
 def _seed_global_rng() -> None:
     """Tests that draw from torch's global RNG see the same numbers whatever ran before them."""
