@@ -37,6 +37,13 @@ numbers are the BTree n=16 r=32 head round as a fraction of one verify forward (
 target on this model: <= 50%) and its head-side ops per round (target: <= 100 eager, about 10
 compiled).
 
+A program the compiler refuses (the draft or accept program of a head, or the backbone's step
+for one block length; :class:`~circuits_llm.runtime.compiling.CompileFallbackWarning`) runs eager
+from then on: the JSON records which programs fell back and why (``machine.compile_fallbacks``
+for the run, ``compile_fallbacks`` in each compiled entry for that head), and the table marks such
+rows ``compiled*`` and lists them, so that a partly eager "compiled" number is never mistaken for
+a compiled one.
+
 Results are printed as tables and written atomically as JSON (default
 ``benchmarks/results/decoder_bench.json``) with machine, load and thread information.
 ``--threads`` defaults to 2; on a 2-core machine that other jobs share, 2 intra-op threads wait
@@ -68,6 +75,7 @@ from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.heads import MTPHead
 from circuits_llm.protocols import Backbone
+from circuits_llm.runtime.compiling import compile_fallbacks
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
 from circuits_llm.runtime.timing import (
     GradMode,
@@ -192,6 +200,8 @@ def round_calls(programs: dict[str, RoundProgram], hidden: Tensor, c: int,
     fixed verifier logits), each ending in what the decoder reads on the host."""
     calls: dict[str, Callable[[], object]] = {}
     token = torch.tensor([c], device=hidden.device)
+    # each accept call reuses one draft, read after many later compiled calls: fine, since a
+    # compiled program's outputs are copies (never a CUDA graph's static outputs)
     for mode, program in programs.items():
         uniforms = None if mode == "greedy" else program.draw_uniforms(generator)
         with torch.no_grad():
@@ -293,8 +303,14 @@ def _backbone(model: LlamaForCausalLM, config: BenchConfig, compiled: bool) -> H
                       + 2 * max(config.windows), compiled_lengths=(1, *config.windows))
 
 
+def _fallbacks_since(start: int) -> dict[str, str]:
+    """Program -> why it runs eager, for the compile fall backs after the first ``start``."""
+    return {f.program: f.error for f in compile_fallbacks()[start:]}
+
+
 def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
+    first_fallback = len(compile_fallbacks())
     if config.compiled_windows:
         profile_compiled_kernels()  # before anything compiles: CPU kernels become countable
     machine = machine_info(torch.device(config.device), config.threads)
@@ -331,10 +347,15 @@ def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str,
                     with torch.no_grad():
                         backbone.extend(context)
                     way = "compiled" if compiled else "eager"
+                    mark = len(compile_fallbacks())
                     costs = head_costs(head, backbone, hidden, prompt[-1], config, compiled)
                     costs["decode"] = {mode: decode_block(backbone, head, prompt, config,
                                                           mode == "greedy", compiled)
                                        for mode in MODES}
+                    if compiled:  # the programs the compiler refused: they ran eager
+                        costs["compile_fallbacks"] = _fallbacks_since(mark)
+                        for program, why in costs["compile_fallbacks"].items():
+                            log(f"  compile fall back: {program} ran eager ({why})")
                     entry[way] = costs
                     log(f"  {architecture:>5} n={window:<2} {variant:<4} {way:<8} round/verify "
                         f"{costs['round_over_verify']['sampling']:.2f} sampling, "
@@ -346,9 +367,11 @@ def _run_benchmark(config: BenchConfig, log: Callable[[str], None]) -> dict[str,
     # "kernels" entry above is then only partly true, and this says where
     machine["kernel_fallbacks"] = {f"{kernel.name} {dtype} {device}": why
                                    for (kernel, dtype, device), why in failed_kernels().items()}
+    # programs the compiler refused during the run (they ran eager; see each compiled entry)
+    machine["compile_fallbacks"] = _fallbacks_since(first_fallback)
     return {
         "schema_version": SCHEMA_VERSION, "benchmark": "decoder_bench",
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "config": dataclasses.asdict(config), "machine": machine, "note": RANDOM_WEIGHTS_NOTE,
         "model": {"architecture": "llama", "parameters": sum(p.numel() for p in model.parameters()),
                   "config": {k: getattr(model.config, k) for k in (
@@ -382,6 +405,11 @@ def _target(heads: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
+def _way_label(way: str, costs: dict[str, Any]) -> str:
+    """``compiled*`` for a compiled entry in which some program ran eager (a compile fall back)."""
+    return f"{way}*" if costs.get("compile_fallbacks") else way
+
+
 def format_tables(result: dict[str, Any]) -> str:
     """Human-readable tables of a :func:`run_benchmark` result."""
     ms = 1e3
@@ -403,8 +431,9 @@ def format_tables(result: dict[str, Any]) -> str:
             c = h[way]
             p, ops = c["phases_s"], c["ops"]
             dispatched = ops.get("dispatched")
+            shown = _way_label(way, c)
             lines.append(
-                f"{name:<16}{way:<9}{h['parameters']:>10,}{p['draft_sampling'] * ms:>7.2f}"
+                f"{name:<16}{shown:<9}{h['parameters']:>10,}{p['draft_sampling'] * ms:>7.2f}"
                 f"{p['accept_sampling'] * ms:>6.2f}{p['draft_greedy'] * ms:>7.2f}"
                 f"{p['verify'] * ms:>7.2f}{p['ar_step'] * ms:>7.2f}"
                 f"{c['round_over_verify']['sampling']:>8.2f}{c['round_over_verify']['greedy']:>7.2f}"
@@ -415,7 +444,8 @@ def format_tables(result: dict[str, Any]) -> str:
                  "the greedy draft program; verify = one extend of n tokens, AR = one extend of 1; "
                  "rnd/ver = (draft + accept) / verify, sampling and greedy; ops head = torch ops "
                  "dispatched by the head side of a sampling round (eager only); krn = kernels "
-                 "launched: generated kernels plus top-level aten calls)")
+                 "launched: generated kernels plus top-level aten calls; compiled* = some "
+                 "programs ran eager: the compiler refused them, listed below)")
     lines += ["", f"{'head':<16}{'way':<9}{'mode':<9}{'tok/call':>9}{'lat ms':>8}{'tok/s':>8}"
               f"{'AR tok/s':>9}{'xAR':>6}{'forced':>8}{'xAR':>6}{'match':>7}"]
     for h in result["heads"]:
@@ -426,11 +456,13 @@ def format_tables(result: dict[str, Any]) -> str:
             for mode, d in h[way]["decode"].items():
                 s, f, a = d["speculative"], d["forced"], d["autoregressive"]
                 match = str(d.get("matches_ar", "-"))
-                lines.append(f"{name:<16}{way:<9}{mode:<9}{s['tokens_per_call']:>9.2f}"
+                lines.append(f"{name:<16}{_way_label(way, h[way]):<9}{mode:<9}{s['tokens_per_call']:>9.2f}"
                              f"{s['mean_latency_s'] * ms:>8.1f}{s['throughput_tok_s']:>8.1f}"
                              f"{a['throughput_tok_s']:>9.1f}{s['speedup_vs_ar']:>6.2f}"
                              f"{f['throughput_tok_s']:>8.1f}{f['speedup_vs_ar']:>6.2f}{match:>7}")
     lines.append("(xAR: against autoregressive decoding run the same way, eager or compiled)")
+    for program, why in result["machine"].get("compile_fallbacks", {}).items():
+        lines.append(f"COMPILE FALLBACK {program}: ran eager ({why})")
     target = result.get("target")
     if target:
         for key, t in target["variants"].items():

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from circuits.errors import InvalidInputError
 from circuits_llm.backbone._validate import check_int
+from circuits_llm.runtime.compiling import CompiledProgram
 
 
 class CacheKind(Enum):
@@ -161,21 +162,37 @@ class StaticCaches:
         return (torch.arange(m, device=device) + offset).unsqueeze(0)
 
 
+def _block_variant(tokens: Tensor) -> str:
+    """The compiled specialisation a step call selects: its batch size and block length."""
+    batch, m = tokens.shape
+    return f"batch {batch}, {m} token{'s' if m != 1 else ''}"
+
+
 def compile_step(step: Callable[..., tuple[Tensor, Tensor]], device: torch.device
                  ) -> Callable[..., tuple[Tensor, Tensor]]:
-    """``torch.compile`` a backbone's step method: whole graph, static shapes.
+    """A backbone's step method, compiled whole with static shapes (one graph per batch size and
+    block length), as a :class:`~circuits_llm.runtime.compiling.CompiledProgram`.
 
-    The function is compiled from a private copy of its code object. Dynamo keeps compiled graphs
-    (and counts recompilations against ``recompile_limit``) per code object, so without the copy
-    every backbone of the process would share one budget of graphs.
+    The compiler is the current one (:func:`~circuits_llm.runtime.compiling.use_compiler`; by
+    default ``torch.compile``, ``mode="reduce-overhead"`` (CUDA graphs: the static caches are
+    static addresses) on CUDA, inductor's default elsewhere). It compiles a private copy of the
+    function's code object: Dynamo keeps compiled graphs (and counts recompilations against
+    ``recompile_limit``) per code object, so without the copy every backbone of the process would
+    share one budget of graphs.
 
-    On CUDA the mode is ``reduce-overhead`` (CUDA graphs: the static caches are static addresses);
-    elsewhere inductor's default.
+    Under CUDA graphs the returned logits and draft hidden states are copies: they are read after
+    later compiled calls (the accept program reads the logits, the next round's draft program the
+    hidden state), which may overwrite the graph's static outputs. A block length whose graph the
+    compiler refuses (``BackendCompilerFailed``, at its first call) runs ``step`` eagerly from then
+    on, after one :class:`~circuits_llm.runtime.compiling.CompileFallbackWarning`; the other block
+    lengths stay compiled.
     """
     fn = step.__func__  # type: ignore[attr-defined]
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_instances)}")
     copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
-    bound = types.MethodType(copy, step.__self__)  # type: ignore[attr-defined]
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    return torch.compile(bound, fullgraph=True, dynamic=False, mode=mode)
+    owner = step.__self__  # type: ignore[attr-defined]
+    bound = types.MethodType(copy, owner)
+    model = type(getattr(owner, "model", owner)).__name__
+    return CompiledProgram(step, name=f"backbone step ({model})", device=device, target=bound,
+                           variant=_block_variant)

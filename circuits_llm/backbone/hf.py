@@ -325,9 +325,8 @@ class HFBackbone(nn.Module):
                     assert self._compiled_step is not None
                     if tokens.is_inference():  # made under inference_mode: would need graphs of its own
                         tokens = tokens.clone()
+                    # copied out by the compiled step itself when they live in CUDA-graph memory
                     logits, draft = self._compiled_step(tokens.contiguous())
-                    if self.device.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
-                        logits, draft = logits.clone(), draft.clone()
                 else:
                     logits, draft = self._static_step(tokens)
         except BaseException as error:

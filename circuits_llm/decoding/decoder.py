@@ -56,6 +56,7 @@ from circuits_llm.protocols import (
     backbone_problem,
     draft_head_problem,
 )
+from circuits_llm.runtime.compiling import Compiler, current_compiler
 
 __all__ = [
     "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "RoundLaw",
@@ -171,7 +172,8 @@ class AutoregressiveDecoder:
     Args:
         backbone: a Backbone, or an HF causal LM (wrapped in ``HFBackbone`` without LoRA).
         compile: an HF model is wrapped with a static KV cache and a compiled forward
-            (``HFBackbone(..., compile=True)``); a Backbone keeps its own setting.
+            (``HFBackbone(..., compile=True)``, with the compiler current now:
+            :func:`~circuits_llm.runtime.compiling.use_compiler`); a Backbone keeps its own setting.
     """
 
     #: tokens a round may cache beyond the output so far (the speculative window adds n - 1)
@@ -328,7 +330,11 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             shapes, no host synchronisation inside a round) and, when ``backbone`` is an HF model,
             wrap it with a static KV cache and compiled forwards for blocks of 1 and ``window``
             tokens. A Backbone passed in keeps its own setting (build it with
-            ``HFBackbone(model, compile=True)`` to compile both sides).
+            ``HFBackbone(model, compile=True)`` to compile both sides). Everything compiles with
+            the compiler current when the decoder is built
+            (:func:`~circuits_llm.runtime.compiling.use_compiler`; default ``torch.compile``, CUDA
+            graphs on CUDA); a program the compiler refuses runs eager after one
+            :class:`~circuits_llm.runtime.compiling.CompileFallbackWarning`.
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
@@ -359,6 +365,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         self.head = head
         self.policy = policy
         self.compile = bool(compile)
+        #: what compiles the round programs, built lazily (one per sampling configuration)
+        self._compiler: Compiler | None = current_compiler() if compile else None
         self.lookahead = head.window - 1
         self._programs: dict[SamplingConfig, RoundProgram] = {}
 
@@ -372,7 +380,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         configuration, since warping and greedy/sampling are part of the program."""
         program = self._programs.get(config)
         if program is None:
-            program = self._programs[config] = RoundProgram(self.head, config, compile=self.compile)
+            program = self._programs[config] = RoundProgram(self.head, config, compile=self.compile,
+                                                            compiler=self._compiler)
         return program
 
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,

@@ -15,7 +15,16 @@ Every tensor shape depends only on (window, draft vocabulary, model vocabulary, 
 structure): no ``.item()``, no data-dependent shapes, no Python branch on a tensor value. So
 both programs can be compiled (``torch.compile``; on CUDA also captured as CUDA graphs) and the
 only thing that crosses to the host per round is one small integer tensor
-(:meth:`RoundProgram.outcome`: the draft, the accepted count, the emitted token and the flags).
+(:meth:`RoundProgram.outcome`: the draft, the accepted count, the emitted token and the flags),
+which the accept program packs itself.
+
+Compiled, both programs run as :class:`~circuits_llm.runtime.compiling.CompiledProgram`: under
+CUDA graphs every output is copied out before the program returns, because the draft's outputs
+are read after the backbone's verify forward and by the accept program (later compiled calls, which
+may overwrite the static outputs of every earlier one); and a program the compiler refuses runs
+eager, with one :class:`~circuits_llm.runtime.compiling.CompileFallbackWarning`. The draft program
+returns three tensors (the verify block, ``q``, the two flags) of which :class:`DraftResult`'s
+fields are views, so that only three small copies are made.
 
 Randomness comes from the caller's ``torch.Generator`` as one tape of float64 uniforms per round
 (:class:`UniformTape`), drawn before the programs run: compiled code never holds a generator,
@@ -42,6 +51,7 @@ from circuits.compiled.queries import row_conditionals
 from circuits.compiled.sampling import argmax_chooser, descend
 from circuits.kernels import GumbelChooser, use_backend
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
+from circuits_llm.runtime.compiling import CompiledProgram, Compiler
 
 #: compiled programs (head x configuration) one process can hold before Dynamo recompiles stop
 MAX_PROGRAMS = 64
@@ -142,8 +152,11 @@ class UniformTape(GumbelChooser):
 class DraftResult:
     """What the draft program hands to the backbone and to the accept program.
 
+    The draft program returns ``block``, ``q`` and the two flags as one (2,) tensor; ``tokens``,
+    ``head_ok`` and ``possible`` are views of them (:meth:`RoundProgram._result`).
+
     Attributes:
-        tokens: (n-1,) long, the drafted tokens as model-vocabulary ids.
+        tokens: (n-1,) long, the drafted tokens as model-vocabulary ids (``block[0, 1:]``).
         block: (1, n) long, ``[c, d_1..d_{n-1}]``: the backbone's verify input.
         q: (n-1, K) float64, the draft's conditionals over the draft vocabulary (all zero when
             the evidence ``X_0 = c`` is impossible); None when greedy (a point mass on the draft).
@@ -188,12 +201,16 @@ class RoundProgram:
         head: a draft head (``window``, ``circuit``, ``__call__(hidden) -> raw parameters``;
             optionally ``draft_tokens`` (K,) long: a compressed draft vocabulary).
         config: the sampling configuration (greedy when ``temperature == 0``).
-        compile: run both programs through ``torch.compile`` (``mode="reduce-overhead"`` on
-            CUDA: CUDA graphs). Traced code takes the kernels' torch path
-            (:func:`circuits.kernels.use_triton`), which inductor fuses itself.
+        compile: run both programs compiled (:class:`~circuits_llm.runtime.compiling.CompiledProgram`;
+            by default ``torch.compile``, ``mode="reduce-overhead"`` on CUDA: CUDA graphs). Traced
+            code takes the kernels' torch path (:func:`circuits.kernels.use_triton`), which
+            inductor fuses itself.
+        compiler: the compiler of both programs when ``compile`` (``None``: the current one,
+            :func:`~circuits_llm.runtime.compiling.use_compiler`).
     """
 
-    def __init__(self, head: object, config: SamplingConfig, *, compile: bool = False) -> None:
+    def __init__(self, head: object, config: SamplingConfig, *, compile: bool = False,
+                 compiler: Compiler | None = None) -> None:
         self.head = head
         self.config = config
         self.circuit: CompiledCircuit = head.circuit  # type: ignore[attr-defined]
@@ -212,8 +229,8 @@ class RoundProgram:
         self.compiled = compile
         #: eager refresh of the head's cached derived tensors, which compiled code only reads
         self._refresh: Callable[[], None] | None = getattr(head, "refresh_derived", None)
-        self._draft: Callable[..., DraftResult] = self._draft_eager
-        self._accept: Callable[..., tuple[Tensor, Tensor]] = self._accept_eager
+        self._draft: Callable[..., tuple[Tensor, Tensor | None, Tensor]] = self._draft_program
+        self._accept: Callable[..., Tensor] = self._accept_program
         self.tape_length = 0 if config.greedy else self._count_uniforms()
         if compile:
             # every program compiles the same two functions for its own head and configuration:
@@ -222,12 +239,13 @@ class RoundProgram:
             dynamo.recompile_limit = max(dynamo.recompile_limit, MAX_PROGRAMS)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit,
                                                      4 * MAX_PROGRAMS)
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            # fullgraph: a circuit that cannot be traced as one graph is an error, never a
-            # silent fall back to eager pieces
-            self._draft = torch.compile(self._draft_eager, mode=mode, dynamic=False, fullgraph=True)
-            self._accept = torch.compile(self._accept_eager, mode=mode, dynamic=False,
-                                         fullgraph=True)
+            label = (f"{getattr(head, 'architecture', None) or type(head).__name__} head, window "
+                     f"{self.window}, {'greedy' if config.greedy else 'sampling'}")
+            # outputs copied out under CUDA graphs; a program the compiler refuses runs eager
+            self._draft = CompiledProgram(self._draft_program, name=f"draft program ({label})",
+                                          device=device, compiler=compiler)
+            self._accept = CompiledProgram(self._accept_program, name=f"accept program ({label})",
+                                           device=device, compiler=compiler)
 
     # ------------------------------------------------------------------ randomness
     def _count_uniforms(self) -> int:
@@ -251,7 +269,7 @@ class RoundProgram:
         with torch.no_grad():
             if self.compiled and self._refresh is not None:
                 self._refresh()
-            return self._draft(hidden, c, uniforms)
+            return self._result(*self._draft(hidden, c, uniforms))
 
     def _evidence(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x`` (1, n) with ``X_0`` = c's draft index, the mask of ``X_0``, and () bool: ``c`` is in
@@ -277,6 +295,20 @@ class RoundProgram:
         return state, value, inside, prepared
 
     def _draft_eager(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None) -> DraftResult:
+        """The draft program as a :class:`DraftResult` (eager; also traced whole by the tests)."""
+        return self._result(*self._draft_program(hidden, c, uniforms))
+
+    @staticmethod
+    def _result(block: Tensor, q: Tensor | None, flags: Tensor) -> DraftResult:
+        """The draft program's three outputs -> a :class:`DraftResult` whose tokens and flags are
+        views of them (no copy, no kernel)."""
+        return DraftResult(block[0, 1:], block, q, flags[0], flags[1])
+
+    def _draft_program(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None
+                       ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The compiled draft program: ``(block (1, n) long, q (n-1, K) float64 or None when
+        greedy, flags (2,) bool: head_ok, possible)`` (see :class:`DraftResult`). Few outputs:
+        under CUDA graphs each is copied out once per round."""
         raw = self.head(hidden)  # type: ignore[operator]
         head_ok = torch.stack([_usable(v) for v in raw.values()]).all()
         chooser = None if uniforms is None else UniformTape(uniforms)
@@ -285,13 +317,12 @@ class RoundProgram:
         tokens = drafted if self.draft_tokens is None else self.draft_tokens[drafted]
         block = torch.cat([c, tokens])[None]
         possible = inside & torch.isfinite(value).all()
+        flags = torch.stack([head_ok, possible])
         if uniforms is None:
-            return DraftResult(tokens, block, None, head_ok, possible)
+            return block, None, flags
         q = self._conditionals(prepared, state)[0]
         q = torch.where(possible & torch.isfinite(q).all(-1, keepdim=True), q, 0.0)
-        return DraftResult(tokens, block, q, head_ok, possible)
-
-
+        return block, q, flags
 
     def _conditionals(self, prepared: object, states: Tensor) -> Tensor:
         """``q(X_k | X_0, d_1..d_{k-1})`` for ``k = 1..n-1`` of each window in ``states``
@@ -331,10 +362,16 @@ class RoundProgram:
         flags:
         everything :meth:`outcome` reads in the round's one host transfer."""
         with torch.no_grad():
-            accepted, token, verifier_ok = self._accept(logits, draft.tokens, draft.q,
-                                                        draft.possible, uniforms)
-        flags = torch.stack([draft.head_ok, verifier_ok, draft.possible]).long()
-        return torch.cat([draft.tokens, accepted[None], token[None], flags])
+            return self._accept(logits, draft.tokens, draft.q, draft.head_ok, draft.possible,
+                                uniforms)
+
+    def _accept_program(self, logits: Tensor, tokens: Tensor, q: Tensor | None, head_ok: Tensor,
+                        possible: Tensor, uniforms: Tensor | None) -> Tensor:
+        """The compiled accept program: :meth:`_accept_eager` and the packing of its decisions with
+        the draft into :meth:`accept`'s one tensor (one output: one copy under CUDA graphs)."""
+        accepted, token, verifier_ok = self._accept_eager(logits, tokens, q, possible, uniforms)
+        flags = torch.stack([head_ok, verifier_ok, possible]).long()
+        return torch.cat([tokens, accepted[None], token[None], flags])
 
     def _accept_eager(self, logits: Tensor, tokens: Tensor, q: Tensor | None, possible: Tensor,
                       uniforms: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

@@ -22,7 +22,7 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 
