@@ -11,7 +11,7 @@ from circuits.compiled import CompiledCircuit, LogParameters
 from circuits.errors import InvalidInputError, ZeroProbabilityEvidenceError
 
 
-def setup(seed: int) -> tuple[CompiledCircuit, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+def prepared_case(seed: int) -> tuple[CompiledCircuit, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """A random float64 circuit (zeros, Exp layers, integrated inputs), per-row raw parameters
     for 5 rows, complete data and an evidence mask."""
     compiled = circuits.compile(random_circuit(seed, num_variables=4, num_categories=3),
@@ -30,7 +30,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_every_query_agrees_with_raw_parameters(seed: int) -> None:
-    compiled, params, x, observed = setup(seed)
+    compiled, params, x, observed = prepared_case(seed)
     prepared = compiled.log_parameters(params)
     assert prepared.batch == 5 and compiled.log_parameters(prepared) is prepared
     close(compiled.log_likelihood(x, prepared), compiled.log_likelihood(x, params))
@@ -67,7 +67,7 @@ def test_every_query_agrees_with_raw_parameters(seed: int) -> None:
 
 
 def test_internal_parameters_gradients_and_batch_checks() -> None:
-    compiled, params, x, _ = setup(7)
+    compiled, params, x, _ = prepared_case(7)
     internal = compiled.log_parameters()
     assert internal.batch is None
     close(compiled.log_likelihood(x, internal), compiled.log_likelihood(x))
@@ -84,7 +84,7 @@ def test_internal_parameters_gradients_and_batch_checks() -> None:
 
 
 def test_derived_tensors_are_computed_once() -> None:
-    compiled, params, x, _ = setup(3)
+    compiled, params, x, _ = prepared_case(3)
     prepared = compiled.log_parameters(params)
     assert isinstance(prepared, LogParameters) and not prepared.derived
     compiled.log_prefix_conditionals(x, params=prepared)
@@ -128,7 +128,7 @@ def edits() -> dict[str, object]:
 def test_own_parameter_cache_never_goes_stale(edit: str, inference: bool) -> None:
     """Cached own log-parameters are bit-for-bit what a fresh normalisation gives, after every
     kind of in-place edit (``.data`` included), in and out of inference mode."""
-    compiled, _, x, _ = setup(2)
+    compiled, _, x, _ = prepared_case(2)
     context = torch.inference_mode if inference else torch.no_grad
     with context():
         first = compiled.log_likelihood(x)
@@ -147,7 +147,7 @@ def test_own_parameter_cache_never_goes_stale(edit: str, inference: bool) -> Non
 def test_own_parameter_cache_keeps_gradients_and_checks() -> None:
     """Gradients still reach the module's own parameters, a cache made in inference mode never
     enters an autograd graph, and a parameter made invalid after caching is still reported."""
-    compiled, _, x, _ = setup(4)
+    compiled, _, x, _ = prepared_case(4)
     with torch.inference_mode():
         compiled.log_likelihood(x)
     loss = compiled.log_likelihood(x).sum()  # grad mode: fresh, differentiable tensors
@@ -162,7 +162,7 @@ def test_own_parameter_cache_keeps_gradients_and_checks() -> None:
 
 
 def test_moving_the_module_clears_the_own_parameter_cache() -> None:
-    compiled, _, x, _ = setup(5)
+    compiled, _, x, _ = prepared_case(5)
     with torch.no_grad():
         compiled.log_likelihood(x)
         assert compiled.own_cache.entries

@@ -123,7 +123,7 @@ problems = st.fixed_dictionaries({
 })
 
 
-def setup(problem: dict) -> tuple[VTree, dict[int, int], torch.Tensor]:
+def prepared_case(problem: dict) -> tuple[VTree, dict[int, int], torch.Tensor]:
     variables = list(range(problem["num_variables"]))
     categories = {v: problem["sizes"][v] for v in variables}
     vtree = random_vtree(random.Random(problem["seed"]), variables)
@@ -135,7 +135,7 @@ def setup(problem: dict) -> tuple[VTree, dict[int, int], torch.Tensor]:
 @given(problem=problems, widths=st.tuples(*[st.sampled_from([None, 1, 2, 3])] * 2))
 def test_multiply_matches_brute_force_unit_by_unit(problem: dict,
                                                  widths: tuple[int | None, int | None]) -> None:
-    vtree, categories, x = setup(problem)
+    vtree, categories, x = prepared_case(problem)
     first = RandomCircuit(problem["seed"] + 1, categories).circuit(vtree, widths[0])
     second = RandomCircuit(problem["seed"] + 2, categories).circuit(vtree, widths[1])
     product = multiply(first, second)
@@ -170,7 +170,7 @@ def test_multiply_reorders_kronecker_units() -> None:
 @settings(max_examples=40, deadline=None)
 @given(problem=problems)
 def test_multiply_log_partition(problem: dict) -> None:
-    vtree, categories, x = setup(problem)
+    vtree, categories, x = prepared_case(problem)
     first = RandomCircuit(problem["seed"] + 3, categories).circuit(vtree)
     second = RandomCircuit(problem["seed"] + 4, categories).circuit(vtree)
     compiled = circuits.compile(multiply(first, second), dtype=torch.float64)
@@ -183,7 +183,7 @@ def test_multiply_log_partition(problem: dict) -> None:
 @settings(max_examples=30, deadline=None)
 @given(problem=problems)
 def test_square(problem: dict) -> None:
-    vtree, categories, x = setup(problem)
+    vtree, categories, x = prepared_case(problem)
     circuit = RandomCircuit(problem["seed"], categories).circuit(vtree)
     log_c = circuits.compile(circuit, dtype=torch.float64)(x)
     squared = circuits.compile(square(circuit), dtype=torch.float64)
@@ -250,7 +250,7 @@ def test_multiply_rejects_other_mismatches() -> None:
 @settings(max_examples=40, deadline=None)
 @given(problem=problems, mask_seed=st.integers(0, 2**16))
 def test_integrate_matches_marginal(problem: dict, mask_seed: int) -> None:
-    vtree, categories, x = setup(problem)
+    vtree, categories, x = prepared_case(problem)
     circuit = RandomCircuit(problem["seed"], categories).circuit(vtree)
     variables = sorted(categories)
     chosen = random.Random(mask_seed).sample(variables, random.Random(mask_seed).randint(1, len(variables)))

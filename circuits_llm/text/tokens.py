@@ -29,14 +29,18 @@ import weakref
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from circuits_llm.text.byte_level import VOCAB_SIZE, SpecialToken
-
-if TYPE_CHECKING:
-    from circuits_llm.text.references import ModelReference
+from circuits_llm.text.references import (
+    ModelReference,
+    ModelSource,
+    model_reference,
+    parse_model_reference,
+    resolve_reference,
+)
 
 #: Files whose presence in a model directory means it ships a Hugging Face tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -249,6 +253,29 @@ def _hf_tokenizer(location: str, source: str, advice: str, **kwargs: Any) -> Any
                                     f"{advice}") from None
 
 
+#: GGUF metadata keys of the special tokens, and the tokenizer attribute each one sets.
+_GGUF_SPECIALS = {"tokenizer.ggml.eos_token_id": "eos_token", "tokenizer.ggml.bos_token_id": "bos_token"}
+
+
+def _specials_from_gguf(tokenizer: Any, path: Path) -> None:
+    """Set the special tokens the GGUF file itself records, where the loaded tokenizer differs.
+
+    The file's metadata is the source of truth; transformers up to 5.17 built SmolLM2's GGUF
+    tokenizer with EOS 1 (``<|im_start|>``) where the file says 2 (``<|im_end|>``), so decoding
+    would stop at the wrong token. Later releases read it right, and nothing changes there.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    for key, attribute in _GGUF_SPECIALS.items():
+        field = fields.get(key)
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if getattr(tokenizer, f"{attribute}_id", None) != token_id:
+            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
+
+
 _FILES_ADVICE = "put the model's tokenizer files (tokenizer.json, tokenizer_config.json) next to it"
 
 
@@ -264,7 +291,6 @@ def load_tokenizer(reference: ModelReference | str, model_config: Any = None) ->
         MissingTokenizerError: a subword model without a loadable tokenizer.
         circuits_llm.text.references.ModelLoadError: ``reference`` names nothing loadable.
     """
-    from circuits_llm.text.references import ModelSource, parse_model_reference, resolve_reference
     ref = parse_model_reference(reference) if isinstance(reference, str) else reference
     if ref.source is ModelSource.EMBEDDED:
         return TextTokenizer.byte_level()
@@ -274,6 +300,7 @@ def load_tokenizer(reference: ModelReference | str, model_config: Any = None) ->
                                   "use a GGUF file that embeds its tokenizer (llama.cpp's "
                                   "converters write one), or the model's Hugging Face directory",
                                   gguf_file=path.name)
+        _specials_from_gguf(tokenizer, path)
         return TextTokenizer.wrap(tokenizer, str(path))
     if ref.source is ModelSource.HUB:
         local = load_tokenizer(resolve_reference(ref), model_config)
@@ -315,7 +342,6 @@ def tokenizer_for(model: Any) -> TextTokenizer:
     Raises:
         MissingTokenizerError: a subword model built in code (nothing says where its tokenizer is).
     """
-    from circuits_llm.text.references import model_reference
     attached = _ATTACHED.get(model)
     if attached is not None:
         return attached

@@ -1,0 +1,277 @@
+"""The decoder rows of :mod:`benchmarks.gpu_check`: the speculative decoder's exact output law and
+greedy identity with ``model.generate``, on the device, eager and compiled.
+
+The law (on the toy LM of ``tests/toy.py``: 3 tokens, windows of 3, logits a random function of
+the last two tokens, so the target law of the first :data:`LAW_TOKENS` tokens is enumerable):
+
+* **enumerated** (exact): the law of what the decoder emits, every branch of every round weighed
+  with the round functions the decoder runs, computed on the device (:func:`exact_law`: the
+  head's exact conditionals for every draft, :func:`~circuits_llm.decoding.round.round_law`,
+  :func:`~circuits_llm.decoding.decoder.transition`), against the brute-force target law on the
+  CPU, for the four head templates; the paper's drop-the-correction variant is the negative
+  control (its law must differ);
+* **sampled** (end to end): ``SpeculativeDecoder.generate`` run many times on the device, its
+  outputs G-tested against the target law, with the drop-the-correction decoder as the negative
+  control that the same test must reject;
+* **compiled = eager**: the compiled round programs read the same uniform tape as the eager ones,
+  so the compiled decoder must emit exactly the eager decoder's tokens for every seed at T=1 (then
+  its law is the exact law above; compiled greedy decoding is the greedy rows' job).
+
+Greedy identity: tiny random Llama and GPT-2 models (float64, so the multi-token verify forward and
+HF's one-token steps agree on every argmax) with a random non-zero LoRA draft branch, as in
+``tests/test_decoder_greedy.py``; the speculative decoder's greedy output must equal
+``model.generate(do_sample=False)`` eager and compiled (static cache and compiled forwards; CUDA
+graphs on CUDA).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from benchmarks.gpu_check_core import (
+    ALPHA,
+    Group,
+    Outcome,
+    Settings,
+    compiler_scope,
+    g_test,
+)
+from circuits_llm.backbone import HFBackbone
+from circuits_llm.decoding.decoder import CorrectionPolicy, SpeculativeDecoder, round_law, transition
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.warping import SamplingConfig, target_probs
+from circuits_llm.heads import MTPHead
+from circuits_llm.protocols import BackboneStep
+
+# the toy LM, head and target law of the exactness tests, reused (tests/ is not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from toy import Law, ToyHead, ToyLM, target_law, total_variation
+
+LAW_VOCAB, LAW_WINDOW, LAW_TOKENS = 3, 3, 3
+LAW_PROMPT = (0, 1)
+LAW_HEADS = (("ff", 1), ("cp", 2), ("hmm", 2), ("btree", 2))
+#: the sampled check's head: seed 5, scale 2 gives the drop-the-correction control a chi-square
+#: divergence of 0.15 from the target (found by enumeration), so the control is rejected for sure
+SAMPLED_HEAD, SAMPLED_SEED, SAMPLED_SCALE = ("btree", 2), 5, 2.0
+EXACT_TV = 1e-9
+BIASED_TV = 1e-3
+RowSpec = tuple[Group, str, Callable[[], Outcome]]
+
+
+class DeviceToyLM(ToyLM):
+    """:class:`ToyLM` whose ``extend`` answers on ``device`` (its tables and token cache stay on
+    the CPU; the target law is computed from them)."""
+
+    def __init__(self, device: torch.device, **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.device = device
+
+    def extend(self, tokens: Tensor) -> BackboneStep:
+        """``tokens`` (1, m) -> logits (1, m, V) and draft hidden states (1, m, d) on the device."""
+        step = super().extend(tokens.cpu())
+        return BackboneStep(step.verifier_logits.to(self.device), step.draft_hidden.to(self.device))
+
+
+def toy_pair(settings: Settings, architecture: str, rank: int, seed: int,
+             scale: float = 1.0) -> tuple[DeviceToyLM, ToyHead]:
+    """A toy LM with a draft branch and a float64 toy head on the device."""
+    lm = DeviceToyLM(settings.device, vocab_size=LAW_VOCAB, draft_branch=True, seed=seed)
+    head = ToyHead(architecture, LAW_WINDOW, rank, lm.hidden_size, LAW_VOCAB, seed=seed, scale=scale)
+    return lm, head.to(settings.device)
+
+
+def exact_law(lm: DeviceToyLM, head: ToyHead, prompt: Sequence[int], length: int,
+              config: SamplingConfig, policy: CorrectionPolicy = CorrectionPolicy.EXACT) -> Law:
+    """The exact law of the first ``length`` tokens the decoder emits, computed on the head's
+    device: ``tests/toy.py``'s ``decoder_law`` (whole draft vocabulary) with every tensor there.
+
+    Every draft ``(D, n-1)`` is weighed by its exact probability (the product of the head's
+    conditionals, :meth:`RoundProgram.conditionals`), every accept/reject outcome and emitted
+    token by :func:`round_law`'s ``outcome_probs``; a round's outcome depends only on the sequence
+    so far, so rounds are memoised by it."""
+    window, vocab, device = head.window, lm.vocab_size, head.circuit.device
+    program = RoundProgram(head, config)
+    drafts = torch.tensor(list(itertools.product(range(vocab), repeat=window - 1)), device=device)
+    rounds: dict[tuple[int, ...], Law] = {}
+
+    def round_outcomes(sequence: tuple[int, ...]) -> Law:
+        if sequence in rounds:
+            return rounds[sequence]
+        outcomes: Law = defaultdict(float)
+        lm.reset()
+        c = sequence[-1]
+        if len(sequence) == 1:  # a one-token prompt: an autoregressive step
+            p = target_probs(lm.extend(torch.tensor([[c]])).verifier_logits[0, -1], config)
+            for y, prob in enumerate(p.tolist()):
+                outcomes[(y,)] += prob
+        else:
+            hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
+            q_all = program.conditionals(hidden, c, drafts)  # (D, n-1, V) on the device
+            weights = q_all.gather(2, drafts[:, :, None])[:, :, 0].prod(1).tolist()
+            for draft, q, weight in zip(drafts, q_all, weights, strict=True):
+                if weight <= 0:
+                    continue
+                lm.crop(len(sequence) - 1)
+                step = lm.extend(torch.cat([draft.new_tensor([c]), draft])[None])
+                probs = round_law(target_probs(step.verifier_logits[0], config), q, draft).outcome_probs()
+                for s, y in probs.nonzero().tolist():
+                    move = transition(policy, draft.tolist(), s, y)
+                    outcomes[move.emitted] += weight * float(probs[s, y])
+        rounds[sequence] = dict(outcomes)
+        return rounds[sequence]
+
+    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
+        result: Law = defaultdict(float)
+        for emitted, prob in round_outcomes(sequence).items():
+            if len(emitted) >= remaining:
+                result[emitted[:remaining]] += prob
+                continue
+            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
+                result[emitted + tail] += prob * tail_prob
+        return result
+
+    return dict(continuation(tuple(prompt), length))
+
+
+def _enumerated_row(settings: Settings) -> Outcome:
+    """:func:`exact_law` of every head against the target law; the drop-the-correction law must
+    differ (the check can fail)."""
+    config = SamplingConfig(1.0)
+    values: dict[str, dict[str, float]] = {}
+    for architecture, rank in LAW_HEADS:
+        lm, head = toy_pair(settings, architecture, rank, settings.seed)
+        target = target_law(lm, LAW_PROMPT, LAW_TOKENS, config)
+        values[architecture] = {
+            "tv_exact": total_variation(exact_law(lm, head, LAW_PROMPT, LAW_TOKENS, config), target),
+            "tv_biased_control": total_variation(exact_law(lm, head, LAW_PROMPT, LAW_TOKENS, config,
+                                                           CorrectionPolicy.DROP_AFTER_ACCEPT), target)}
+    worst = max(v["tv_exact"] for v in values.values())
+    control = min(v["tv_biased_control"] for v in values.values())
+    numbers = (f"{len(values)} heads, T=1, first {LAW_TOKENS} tokens: max TV {worst:.1e} (<= "
+               f"{EXACT_TV:g}); drop-correction control min TV {control:.3f} (> {BIASED_TV:g})")
+    return Outcome.verdict(worst <= EXACT_TV and control > BIASED_TV, numbers, values,
+                           f"TV {worst:.3g} from the target" if worst > EXACT_TV
+                           else f"biased control TV only {control:.3g}")
+
+
+def _sampled_row(settings: Settings) -> Outcome:
+    """``generate`` on the device, G-tested against the target law; the drop-the-correction
+    decoder is the negative control."""
+    runs = 1000 if settings.quick else 1500
+    (architecture, rank), config = SAMPLED_HEAD, SamplingConfig(1.0)
+    lm, head = toy_pair(settings, architecture, rank, SAMPLED_SEED, SAMPLED_SCALE)
+    target = target_law(lm, LAW_PROMPT, LAW_TOKENS, config)
+    cells = sorted(target)
+    probs = np.array([target[k] for k in cells])
+    values: dict[str, float] = {}
+    for name, policy in (("exact", CorrectionPolicy.EXACT), ("control", CorrectionPolicy.DROP_AFTER_ACCEPT)):
+        decoder = SpeculativeDecoder(lm, head, policy=policy)
+        generator = settings.generator(7)
+        seen = Counter(tuple(decoder.generate(list(LAW_PROMPT), LAW_TOKENS, 1.0, generator=generator)
+                             .tokens.tolist()) for _ in range(runs))
+        counts = np.array([seen.get(k, 0) for k in cells])
+        values[f"p_{name}"] = g_test(counts, probs) if sum(seen.values()) == counts.sum() else 0.0
+    numbers = (f"{runs} generate calls: p={values['p_exact']:.3f}; drop-correction control "
+               f"p={values['p_control']:.1e} (reject < {ALPHA:g})")
+    ok = values["p_exact"] > ALPHA and values["p_control"] <= ALPHA
+    return Outcome.verdict(ok, numbers, values, "exact decoder rejected" if values["p_exact"] <= ALPHA
+                           else "the biased control was not rejected")
+
+
+def _compiled_row(settings: Settings) -> Outcome:
+    """The compiled decoder emits the eager decoder's tokens for every seed (same uniform tape)."""
+    runs, tokens = (6, 10) if settings.quick else (16, 16)
+    (architecture, rank) = SAMPLED_HEAD
+    lm, head = toy_pair(settings, architecture, rank, SAMPLED_SEED, SAMPLED_SCALE)
+    eager = SpeculativeDecoder(lm, head)
+    with compiler_scope(settings.compiler):
+        compiled = SpeculativeDecoder(lm, head, compile=True)
+    differ = 0
+    for run in range(runs):  # greedy compiled decoding: the greedy rows (real models)
+        outputs = [d.generate(list(LAW_PROMPT), tokens, 1.0, generator=settings.generator(run))
+                   .tokens.tolist() for d in (eager, compiled)]
+        differ += outputs[0] != outputs[1]
+    numbers = (f"{runs} seeds x {tokens} tokens (T=1), compiler "
+               f"{settings.compiler.value}: {differ} outputs differ from eager")
+    return Outcome.verdict(differ == 0, numbers, {"runs": runs, "differ": differ},
+                           f"{differ} of {runs} compiled outputs differ from eager")
+
+
+def law_rows(settings: Settings) -> list[RowSpec]:
+    """The law rows: enumerated, sampled, compiled = eager."""
+    return [(Group.DECODER_LAW, "enumerated, eager", lambda: _enumerated_row(settings)),
+            (Group.DECODER_LAW, "sampled generate, eager", lambda: _sampled_row(settings)),
+            (Group.DECODER_LAW, "compiled = eager per seed", lambda: _compiled_row(settings))]
+
+
+# ------------------------------------------------------------------ greedy identity
+VOCAB, HIDDEN = 48, 32
+
+
+def tiny_model(name: str, device: torch.device) -> PreTrainedModel:
+    """The float64 tiny Llama or GPT-2 of ``tests/test_decoder_greedy.py``, on ``device``."""
+    torch.manual_seed(0)
+    if name == "llama":
+        model: PreTrainedModel = LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            bos_token_id=0, eos_token_id=VOCAB - 1, pad_token_id=0, tie_word_embeddings=True))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4,
+                                           n_positions=128, bos_token_id=0, eos_token_id=VOCAB - 1,
+                                           pad_token_id=0))
+    return model.double().eval().to(device)
+
+
+def _greedy_row(settings: Settings, name: str, compiled: bool) -> Outcome:
+    """Greedy speculative decoding (BTree window 4, a LoRA draft branch) equals
+    ``model.generate`` on every prompt, and both accepted and rejected drafts occurred."""
+    model = tiny_model(name, settings.device)
+    window = 4
+    with compiler_scope(settings.compiler):
+        backbone = HFBackbone(model, lora_layers=1, compile=compiled,
+                              compiled_lengths=(1, window) if compiled else None)
+    generator = torch.Generator().manual_seed(1)
+    for parameter in backbone.draft_parameters():  # random non-zero LoRA: drafts differ, some match
+        parameter.data = 0.1 * torch.randn(parameter.shape, generator=generator,
+                                           dtype=parameter.dtype).to(parameter.device)
+    head = MTPHead.from_name("btree", window, 2, HIDDEN, VOCAB,
+                             lm_head_weight=model.get_output_embeddings().weight.detach().cpu(),
+                             dtype=torch.float64, sum_init_std=0.5).to(settings.device)
+    with compiler_scope(settings.compiler):
+        decoder = SpeculativeDecoder(backbone, head, compile=compiled)
+    cases = [(1, 8), (5, 12), (9, 16)] if settings.quick else [(1, 12), (2, 5), (5, 20), (9, 24)]
+    mismatches, accepted, drafted = 0, 0, 0
+    for length, new in cases:
+        prompt = torch.randint(1, VOCAB - 1, (1, length), generator=generator).to(settings.device)
+        result = decoder.generate(prompt, new)
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                  max_new_tokens=new, pad_token_id=0)
+        mismatches += result.tokens.tolist() != expected[0, length:].tolist()
+        accepted += result.summary.accepted
+        drafted += result.summary.drafted
+    way = f"compiled ({settings.compiler.value})" if compiled else "eager"
+    numbers = (f"{len(cases)} prompts, {way}, LoRA draft branch: {mismatches} differ from "
+               f"model.generate; drafts accepted {accepted}/{drafted}")
+    both = 0 < accepted < drafted  # the accept and the reject paths both ran
+    return Outcome.verdict(mismatches == 0 and both, numbers,
+                           {"prompts": len(cases), "mismatches": mismatches, "accepted": accepted,
+                            "drafted": drafted}, f"{mismatches} greedy outputs differ" if mismatches
+                           else "drafts were all accepted or all rejected: a path went unchecked")
+
+
+def greedy_rows(settings: Settings) -> list[RowSpec]:
+    """Llama and GPT-2, eager and compiled."""
+    return [(Group.GREEDY, f"{name} {'compiled' if compiled else 'eager'}",
+             lambda name=name, compiled=compiled: _greedy_row(settings, name, compiled))
+            for name in ("llama", "gpt2") for compiled in (False, True)]
+

@@ -1,0 +1,120 @@
+"""``python -m benchmarks.gpu_check --device cpu --quick``: the GPU check's CPU smoke run.
+
+One run (a subprocess, as ``make gpu-check`` runs it) serves every test: it must exit 0, print its
+one table, write its JSON, hold every row group with no FAIL, SKIP only where libcirkit is absent
+or CUDA is genuinely needed (each saying why), and its negative controls must have been rejected
+(so the exactness rows can fail). The prediction's measured acceptance must be the one recorded
+in docs/results.md, and asking for CUDA without one is one clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import gpu_check
+from benchmarks.gpu_check_core import ALPHA, Group, SkipReason, Status
+from benchmarks.gpu_check_speed import MEASURED_TOKENS_PER_ROUND
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED_SKIPS = {SkipReason.NO_CIRKIT.name, SkipReason.NEEDS_CUDA.name}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The run's exit code, stdout, seconds and JSON record."""
+    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu",
+                           "--quick", "--threads", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
+            "seconds": time.perf_counter() - start,
+            "record": json.loads(out.read_text()) if out.exists() else None}
+
+
+def rows(smoke: dict[str, Any], group: Group) -> list[dict[str, Any]]:
+    """The JSON rows of ``group``."""
+    return [r for r in smoke["record"]["rows"] if r["group"] == group.value]
+
+
+def test_exits_zero_with_one_table_and_the_json(smoke: dict[str, Any]) -> None:
+    assert smoke["rc"] == 0, smoke["stdout"][-3000:] + smoke["stderr"][-3000:]
+    record = smoke["record"]
+    assert record["schema_version"] == gpu_check.SCHEMA_VERSION and record["passed"]
+    assert record["config"] == {"device": "cpu", "quick": True, "compiler": "aot_eager", "seed": 0,
+                                "budget_s": gpu_check.QUICK_BUDGET_S}
+    assert smoke["stdout"].count("GPU check on cpu") == 1
+    for row in record["rows"]:  # every row is a line of the table
+        assert f"{row['group']:<21}{row['name']:<36}{row['status']}" in smoke["stdout"]
+    assert smoke["seconds"] < 300
+
+
+def test_every_group_runs_and_nothing_fails(smoke: dict[str, Any]) -> None:
+    record = smoke["record"]
+    assert [g.value for g in Group] == list(dict.fromkeys(r["group"] for r in record["rows"]))
+    failed = [r for r in record["rows"] if r["status"] == Status.FAIL.value]
+    assert not failed, failed
+    for group in Group:
+        if group is not Group.CIRKIT:  # libcirkit is optional
+            assert any(r["status"] == Status.PASS.value for r in rows(smoke, group)), group
+    assert not record["compile_fallbacks"]
+
+
+def test_skips_are_allowed_and_say_why(smoke: dict[str, Any]) -> None:
+    for row in smoke["record"]["rows"]:
+        if row["status"] != Status.SKIP.value:
+            continue
+        assert row["skip"] in ALLOWED_SKIPS, row
+        assert row["reason"].startswith(SkipReason[row["skip"]].value), row
+        if row["skip"] == SkipReason.NEEDS_CUDA.name:
+            assert row["name"].startswith("triton"), row  # only the triton kernel backend
+
+
+def test_the_negative_controls_were_rejected(smoke: dict[str, Any]) -> None:
+    sampling = [r for r in rows(smoke, Group.SAMPLING) if r["status"] == Status.PASS.value]
+    assert sampling
+    for row in sampling:
+        for template in row["values"].values():
+            assert template["p_control"] < ALPHA < template["p_sample"]
+            assert template["control_tv"] == pytest.approx(0.05)
+    law = {r["name"]: r["values"] for r in rows(smoke, Group.DECODER_LAW)}
+    assert law["sampled generate, eager"]["p_control"] <= ALPHA < law["sampled generate, eager"]["p_exact"]
+    for head in law["enumerated, eager"].values():
+        assert head["tv_exact"] < 1e-9 < 1e-3 < head["tv_biased_control"]
+
+
+def test_speed_rows_forced_every_draft_and_predicted(smoke: dict[str, Any]) -> None:
+    speed = {r["name"]: r["values"] for r in rows(smoke, Group.SPEED)}
+    forced = [v for name, v in speed.items() if name.startswith("forced")]
+    predicted = [v for name, v in speed.items() if name.startswith("predicted")]
+    assert len(forced) == len(predicted) == 4
+    for values in forced:
+        assert values["tokens_per_round"] == 8
+        assert set(values["phases_ms"]) >= {"draft", "verify", "accept"}
+    assert {v["tokens_per_round"] for v in predicted} == set(MEASURED_TOKENS_PER_ROUND.values())
+
+
+def test_measured_acceptance_is_the_recorded_one() -> None:
+    """:data:`MEASURED_TOKENS_PER_ROUND` is the ``acc.len`` column of docs/results.md section 6."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    section = text[text.index("## 6."):text.index("## 7.")]
+    for (architecture, mode), tokens in MEASURED_TOKENS_PER_ROUND.items():
+        match = re.search(rf"^{mode.value}\s+{architecture.value}\s+[\d.]+ms\s+([\d.]+)\s", section,
+                          re.MULTILINE)
+        assert match is not None and float(match.group(1)) == tokens, (architecture, mode)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_requested_without_cuda_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_check.main([]) == 2  # --device cuda is the default
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "--device cpu" in error and "CUDA" in error
