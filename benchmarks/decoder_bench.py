@@ -265,7 +265,8 @@ def decode_block(backbone: Backbone, head: MTPHead, prompt: list[int], config: B
     for repeat in range(-1, config.repeats):  # repeat -1: warm-up (compilation), not recorded
         for name, decoder in decoders.items():
             generator = _generator(config.device, config.seed + max(repeat, 0))
-            result = decoder.generate(prompt, config.new_tokens, temperature, generator=generator)
+            result = decoder.generate(prompt, config.new_tokens, temperature, generator=generator,
+                                      eos_token_id=())  # a fixed length: no EOS stop
             if repeat >= 0:
                 runs[name].append(result)
     out: dict[str, Any] = {}

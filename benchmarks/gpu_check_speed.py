@@ -171,7 +171,7 @@ class SpeedBench:
         for repeat in range(-1, self.sizes.repeats):
             generator = None if mode is Mode.GREEDY else self.settings.generator(max(repeat, 0))
             result = decoder.generate(self.state["prompt"], self.sizes.new_tokens,
-                                      mode.temperature, generator=generator)
+                                      mode.temperature, generator=generator, eos_token_id=())
             if repeat >= 0:
                 runs.append(result.summary)
         return _median(runs)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from circuits.compiled import CompiledCircuit, compile
 from circuits.templates import build
 from circuits_llm.decoding.decoder import CorrectionPolicy, round_law, transition
-from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.round import RoundProgram, usable_conditionals
 from circuits_llm.decoding.warping import SamplingConfig, target_probs
 from circuits_llm.protocols import BackboneStep
 
@@ -154,6 +155,12 @@ class ToyHead(nn.Module):
 # ---------------------------------------------------------------------- exact laws by enumeration
 Law = dict[tuple[int, ...], float]
 
+#: A draft-length rule as the tests' negative controls write it: ``(q (n-1, K) the draft's
+#: conditionals over the draft vocabulary, drafts (n-1,) draft-vocabulary indices, p (n, V) the
+#: target's warped laws at the window positions) -> L``. Unlike a :class:`DraftLength` it may read
+#: anything, the target included: what the enumeration must catch as biased.
+LengthRule = Callable[[Tensor, Tensor, Tensor], int]
+
 
 def target_law(lm: ToyLM, prompt: Sequence[int], length: int, config: SamplingConfig) -> Law:
     """The exact (warped) target law of the first ``length`` generated tokens, by brute force."""
@@ -171,7 +178,8 @@ def target_law(lm: ToyLM, prompt: Sequence[int], length: int, config: SamplingCo
 
 def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
                 config: SamplingConfig,
-                policy: CorrectionPolicy = CorrectionPolicy.EXACT) -> Law:
+                policy: CorrectionPolicy = CorrectionPolicy.EXACT,
+                draft_length: DraftLength | LengthRule | None = None) -> Law:
     """The exact law of the first ``length`` tokens a :class:`SpeculativeDecoder` emits.
 
     Enumerates every branch of the algorithm with the decoder's own round functions: every draft
@@ -183,9 +191,17 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
     (:func:`transition`). The decoder state after any history is a function of the sequence
     ``prompt + output`` (cache = all but its last token, ``c`` = its last token), which lets
     rounds be memoised by that sequence.
+
+    ``draft_length``: how many drafts a round verifies. ``None`` (default): all ``n - 1``. A
+    :class:`DraftLength`: the decoder's rule, applied by the round program's own
+    :meth:`DraftLength.decide` to every enumerated whole-window draft and its conditionals (what
+    the draft program does); the round then verifies ``[c, d_1..d_L]``
+    (``round_law(p[:L+1], q[:L], d[:L])``, the bonus from ``p_{L+1}``). A :data:`LengthRule`
+    callable: a rule of the tests (negative controls), which may also read the target ``p``.
     """
     window, vocab = head.window, lm.vocab_size
-    program = RoundProgram(head, config)
+    rule = draft_length if isinstance(draft_length, DraftLength) else None
+    program = RoundProgram(head, config, draft_length=rule)
     ids = torch.arange(vocab) if head.draft_tokens is None else head.draft_tokens
     inside = set(ids.tolist())
     drafts = torch.tensor(list(itertools.product(range(len(ids)), repeat=window - 1)))
@@ -218,10 +234,20 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
                 draft = ids[index]
                 lm.crop(len(sequence) - 1)
                 step = lm.extend(torch.cat([torch.tensor([c]), draft])[None])
-                law = round_law(target_probs(step.verifier_logits[0], config), q, draft)
+                p = target_probs(step.verifier_logits[0], config)
+                if draft_length is None:
+                    law = round_law(p, q, draft)
+                    verified = draft
+                else:
+                    compact = usable_conditionals(q[:, ids])  # what the draft program's rule reads
+                    checked = program.draft_length.decide(compact, index) if rule is not None \
+                        else draft_length(compact, index, p)  # type: ignore[operator]
+                    checked = int(checked)
+                    law = round_law(p[:checked + 1], q[:checked], draft[:checked])
+                    verified = draft[:checked]
                 probs = law.outcome_probs()
                 for s, y in probs.nonzero().tolist():
-                    move = transition(policy, draft.tolist(), s, y)
+                    move = transition(policy, verified.tolist(), s, y)
                     outcomes[move.emitted] += weight * float(probs[s, y])
         rounds[sequence] = dict(outcomes)
         return rounds[sequence]

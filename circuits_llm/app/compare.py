@@ -64,13 +64,15 @@ def compare_decoders(decoders: dict[str, Any], prompts: list[Tensor], new_tokens
         for mode, temp in modes.items():
             for decoder in decoders.values():
                 decoder.generate(prompts[0], min(8, new_tokens), temp,
-                                 generator=_generator(decoder, seed))
+                                 generator=_generator(decoder, seed), eos_token_id=())
             results[mode] = {name: [] for name in decoders}
             for index, prompt in enumerate(prompts):
                 for name, decoder in decoders.items():
                     generator = _generator(decoder, seed + index)
+                    # a fixed length on every decoder (no EOS stop), so the timings compare
                     results[mode][name].append(decoder.generate(prompt, new_tokens, temp,
-                                                                generator=generator))
+                                                                generator=generator,
+                                                                eos_token_id=()))
                     bar.update(1)
     return Comparison(results)
 

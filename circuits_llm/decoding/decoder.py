@@ -6,12 +6,15 @@ already decided (emitted) but not cached. A round
 
 1. parameterises the circuit over the window ``(x_{t+1}, .., x_{t+n})`` from ``hidden`` and
    *conditions it on* ``X_0 = c``;
-2. drafts ``d_1..d_{n-1}`` from that exact conditional (greedy: its max-product completion);
-3. runs ``backbone.extend([c, d_1..d_{n-1}])`` once: the verifier's ``p_1..p_n`` (``p_n`` is
+2. drafts ``d_1..d_{n-1}`` from that exact conditional (greedy: its max-product completion) and
+   chooses how many to verify, ``L`` (``draft_length``: all ``n - 1`` by default; a
+   :class:`~circuits_llm.decoding.draft_length.DraftLength` rule that reads only draft-side
+   quantities, which keeps the law exact: see that module);
+3. runs ``backbone.extend([c, d_1..d_L])`` once: the verifier's ``p_1..p_{L+1}`` (``p_{L+1}`` is
    the bonus position) and the draft hidden states at every new position;
 4. accepts ``d_k`` with probability ``min(1, p_k(d_k) / q_k(d_k))`` where ``q_k`` is the circuit's
    exact conditional given ``c, d_1..d_{k-1}``; at the first rejection emits a token of
-   ``norm(max(0, p_k - q_k))``, otherwise a bonus token of ``p_n``;
+   ``norm(max(0, p_k - q_k))``, otherwise a bonus token of ``p_{L+1}``;
 5. crops the caches to ``x_1..x_t, c, d_1..d_s`` and takes the hidden state at ``d_s``.
 
 So after every round ``backbone.length == len(prompt) + len(output) - 1``.
@@ -19,8 +22,13 @@ So after every round ``backbone.length == len(prompt) + len(output) - 1``.
 Steps 1-2 and 4 are two fixed-shape programs with no host synchronisation inside
 (:class:`~circuits_llm.decoding.round.RoundProgram`, compiled with ``compile=True``); one small tensor
 crosses to the host per round: the draft, how many drafts were accepted, the emitted token and
-validity flags. A head with a compressed draft vocabulary (``head.draft_tokens``, K model ids)
+validity flags (a ``draft_length`` rule that depends on the round adds one read of ``L`` before the
+verify call). A head with a compressed draft vocabulary (``head.draft_tokens``, K model ids)
 drafts over those K tokens; ``q`` is 0 elsewhere and the residual covers the rest.
+
+Both decoders stop at the model's end-of-sequence ids by default, as ``model.generate`` does
+(``generation_config.eos_token_id``, else ``config.eos_token_id``, when the backbone is, or wraps,
+a Hugging Face model; :meth:`AutoregressiveDecoder.default_eos_token_ids`).
 
 If the draft gives ``X_0 = c`` probability zero (or ``c`` is outside the draft vocabulary),
 every draft is rejected and ``p_1`` decides: an autoregressive round in law. Invalid head
@@ -44,10 +52,11 @@ from torch import Tensor
 from circuits.compiled import CompiledCircuit
 from circuits.compiled.circuit import LogParameters
 from circuits.errors import InvalidInputError
+from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.exclusive import exclusive
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats, summarize
 from circuits_llm.decoding.round import RoundLaw, RoundOutcome, RoundProgram, round_law
-from circuits_llm.decoding.stopping import StopCondition
+from circuits_llm.decoding.stopping import StopCondition, eos_ids
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
 from circuits_llm.protocols import (
     Backbone,
@@ -59,8 +68,8 @@ from circuits_llm.protocols import (
 from circuits_llm.runtime.compiling import Compiler, current_compiler
 
 __all__ = [
-    "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "RoundLaw",
-    "SpeculativeDecoder", "Transition", "round_law", "transition",
+    "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "DraftLength",
+    "RoundLaw", "SpeculativeDecoder", "Transition", "round_law", "transition",
 ]
 
 
@@ -140,27 +149,54 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _wrap_model(model: object, lora_layers: int, compile: bool, window: int = 1) -> Backbone:
-    """An HF causal LM -> HFBackbone (static cache and compiled forwards for blocks of 1 and
-    ``window`` tokens when ``compile``); a Backbone is used as it is (a compiled HFBackbone learns
-    the block length ``window``); anything else is an error."""
-    problem = backbone_problem(model)
-    if problem is None:
-        if window > 1 and getattr(model, "compiled", False) and hasattr(model, "add_compiled_length"):
-            model.add_compiled_length(window)  # type: ignore[attr-defined]
-        return model  # type: ignore[return-value]
+def _is_hf_model(model: object) -> bool:
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedModel = ()  # type: ignore[assignment,misc]
-    if isinstance(model, PreTrainedModel):
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _wrap_model(model: object, lora_layers: int, compile: bool,
+                blocks: Sequence[int] = (1,)) -> Backbone:
+    """An HF causal LM -> HFBackbone (static cache and compiled forwards for blocks of 1 and
+    every length in ``blocks`` when ``compile``); a Backbone is used as it is (a compiled
+    HFBackbone learns the block lengths ``blocks``); anything else is an error."""
+    lengths = sorted({1, *blocks})
+    problem = backbone_problem(model)
+    if problem is None:
+        if getattr(model, "compiled", False) and hasattr(model, "add_compiled_length"):
+            for length in lengths[1:]:
+                model.add_compiled_length(length)  # type: ignore[attr-defined]
+        return model  # type: ignore[return-value]
+    if _is_hf_model(model):
         from circuits_llm.backbone import HFBackbone
         if not compile:
-            return HFBackbone(model, lora_layers=lora_layers)
-        return HFBackbone(model, lora_layers=lora_layers, compile=True,
-                          compiled_lengths=sorted({1, window}))
+            return HFBackbone(model, lora_layers=lora_layers)  # type: ignore[arg-type]
+        return HFBackbone(model, lora_layers=lora_layers, compile=True,  # type: ignore[arg-type]
+                          compiled_lengths=lengths)
     raise DecoderError(f"backbone must implement circuits_llm.protocols.Backbone or be a Hugging "
                        f"Face PreTrainedModel: {problem}")
+
+
+#: how many wrappers :func:`_hf_model` looks through (``inner``: a backbone that wraps another)
+_WRAPPER_DEPTH = 8
+
+
+def _hf_model(backbone: object) -> object | None:
+    """The Hugging Face model under ``backbone``: itself, an ``HFBackbone``'s ``model``, or either
+    under wrappers that keep the backbone they wrap as ``inner`` (``ProcessedBackbone``); None
+    when there is none (a toy or custom backbone)."""
+    for _ in range(_WRAPPER_DEPTH):
+        if backbone is None:
+            return None
+        if _is_hf_model(backbone):
+            return backbone
+        model = getattr(backbone, "model", None)
+        if _is_hf_model(model):
+            return model
+        backbone = getattr(backbone, "inner", None)
+    return None
 
 
 class AutoregressiveDecoder:
@@ -174,6 +210,9 @@ class AutoregressiveDecoder:
         compile: an HF model is wrapped with a static KV cache and a compiled forward
             (``HFBackbone(..., compile=True)``, with the compiler current now:
             :func:`~circuits_llm.runtime.compiling.use_compiler`); a Backbone keeps its own setting.
+
+    Decoding stops at the model's EOS ids by default, like ``model.generate``
+    (:meth:`default_eos_token_ids`); ``generate(..., eos_token_id=())`` turns that off.
     """
 
     #: tokens a round may cache beyond the output so far (the speculative window adds n - 1)
@@ -212,6 +251,15 @@ class AutoregressiveDecoder:
             raise DecoderError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
         return tokens
 
+    def default_eos_token_ids(self) -> tuple[int, ...]:
+        """The EOS ids :meth:`generate` stops at when given neither ``eos_token_id`` nor ``stop``:
+        those ``model.generate`` stops at (``generation_config.eos_token_id``, one id or a list,
+        else ``config.eos_token_id``; :func:`~circuits_llm.decoding.stopping.eos_ids`) when the
+        backbone is, or wraps, a Hugging Face model; ``()`` for other backbones. Read at every
+        call, so a changed ``generation_config`` counts."""
+        model = _hf_model(self.backbone)
+        return () if model is None else eos_ids(model)
+
     @staticmethod
     def _eos(eos_token_id: int | Sequence[int] | None) -> set[int]:
         if eos_token_id is None:
@@ -249,11 +297,14 @@ class AutoregressiveDecoder:
             temperature: 0 = greedy; > 0 samples from the warped target (HF semantics).
             top_k, top_p: HF's top-k / nucleus filters (None = off).
             generator: the randomness source (on the decoding device).
-            eos_token_id: stop after emitting (one of) these ids.
+            eos_token_id: stop after emitting (one of) these ids (kept in the output). ``None``
+                (default): the model's own EOS ids, as ``model.generate`` stops
+                (:meth:`default_eos_token_ids`), unless ``stop`` is given; ``()``: no EOS stop.
             stop: stop strings (and their tokenizer) as ``model.generate(stop_strings=...)``
                 matches them: decoding ends after the token that completes one, kept, exactly
                 where ``generate`` ends (:class:`~circuits_llm.decoding.stopping.StopCondition`; its own
-                ``max_new_tokens`` and EOS ids are added to the arguments' limits).
+                ``max_new_tokens`` and EOS ids are added to the arguments' limits). A ``stop``
+                replaces the default EOS ids: only its own and ``eos_token_id``'s count.
 
         Returns:
             :class:`DecodeResult`; ``tokens`` (T,) holds the new tokens only.
@@ -268,6 +319,8 @@ class AutoregressiveDecoder:
                 or max_new_tokens < 0:
             raise DecoderError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         eos = self._eos(eos_token_id)
+        if eos_token_id is None and stop is None:
+            eos = set(self.default_eos_token_ids())
         if stop is not None and not isinstance(stop, StopCondition):
             raise DecoderError(f"stop must be a circuits_llm.decoding.stopping.StopCondition, got "
                                f"{type(stop).__name__}")
@@ -325,12 +378,20 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         head: a :class:`DraftHead` whose circuit spans ``window >= 2`` variables.
         lora_layers: only used when ``backbone`` is an HF model.
         policy: keep :attr:`CorrectionPolicy.EXACT`; the other value is a biased negative control.
+        draft_length: how many of the window's ``n - 1`` drafts a round verifies
+            (:class:`~circuits_llm.decoding.draft_length.DraftLength`): ``DraftLength.fixed()``
+            (default: all), ``DraftLength.fixed(L)``, or ``DraftLength.confident(threshold)``
+            (stop where the head's own estimate of success drops below ``threshold``). Every
+            rule keeps the output law exactly the target's (it reads only the head's side; see
+            that module for the argument). With ``compile`` every block length the rule can
+            choose gets a compiled backbone forward.
         compile: run the round's draft and accept programs
             (:class:`~circuits_llm.decoding.round.RoundProgram`) through ``torch.compile`` (fixed
             shapes, no host synchronisation inside a round) and, when ``backbone`` is an HF model,
-            wrap it with a static KV cache and compiled forwards for blocks of 1 and ``window``
-            tokens. A Backbone passed in keeps its own setting (build it with
-            ``HFBackbone(model, compile=True)`` to compile both sides). Everything compiles with
+            wrap it with a static KV cache and compiled forwards for blocks of 1 and ``L + 1``
+            tokens for every ``L`` of ``draft_length`` (the window, by default). A Backbone
+            passed in keeps its own setting (build it with ``HFBackbone(model, compile=True)`` to
+            compile both sides; the decoder adds those block lengths to it). Everything compiles with
             the compiler current when the decoder is built
             (:func:`~circuits_llm.runtime.compiling.use_compiler`; default ``torch.compile``, CUDA
             graphs on CUDA); a program the compiler refuses runs eager after one
@@ -338,10 +399,18 @@ class SpeculativeDecoder(AutoregressiveDecoder):
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
-                 policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False) -> None:
+                 policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False,
+                 draft_length: DraftLength | None = None) -> None:
+        rule = DraftLength.fixed() if draft_length is None else draft_length
+        if not isinstance(rule, DraftLength):
+            raise DecoderError(f"draft_length must be a circuits_llm.decoding.draft_length."
+                               f"DraftLength, got {draft_length!r}")
         window = getattr(head, "window", 1)
-        self.backbone = _wrap_model(backbone, lora_layers, compile,
-                                    window if isinstance(window, int) else 1)
+        blocks: tuple[int, ...] = (1,)
+        if isinstance(window, int) and not isinstance(window, bool) and window >= 2:
+            rule.check(window)
+            blocks = tuple(length + 1 for length in rule.lengths(window))
+        self.backbone = _wrap_model(backbone, lora_layers, compile, blocks)
         problem = draft_head_problem(head)
         if problem is not None:
             raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead: {problem}")
@@ -364,6 +433,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             raise DecoderError(f"policy must be a CorrectionPolicy, got {policy!r}")
         self.head = head
         self.policy = policy
+        self.draft_length = rule
         self.compile = bool(compile)
         #: what compiles the round programs, built lazily (one per sampling configuration)
         self._compiler: Compiler | None = current_compiler() if compile else None
@@ -380,8 +450,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         configuration, since warping and greedy/sampling are part of the program."""
         program = self._programs.get(config)
         if program is None:
-            program = self._programs[config] = RoundProgram(self.head, config, compile=self.compile,
-                                                            compiler=self._compiler)
+            program = self._programs[config] = RoundProgram(
+                self.head, config, compile=self.compile, compiler=self._compiler,
+                draft_length=self.draft_length)
         return program
 
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
@@ -392,14 +463,17 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         t0 = _now(clock)
         uniforms = None if config.greedy else program.draw_uniforms(generator)
         draft = program.draft(hidden, torch.tensor([c], device=clock), uniforms)
+        length = program.verified(draft)  # L: verify [c, d_1..d_L]
         t1 = _now(clock)
-        step = self.backbone.extend(draft.block)
+        block = draft.block if length == program.window - 1 else draft.block[:, :length + 1]
+        step = self.backbone.extend(block)
         t2 = _now(clock)
         outcome = program.outcome(program.accept(step.verifier_logits[0], draft, uniforms))
         t3 = _now(clock)
         self._explain_failure(outcome, hidden, step, config)
         move = transition(self.policy, outcome.draft, outcome.accepted, outcome.token)
-        # impossible evidence: every draft was rejected and p_1 decided, an AR step in law
+        # impossible evidence: every draft was rejected and p_1 decided, an AR step in law;
+        # otherwise ``drafted`` is L, the drafts this round verified
         kind, drafted = (RoundKind.SPECULATIVE, len(outcome.draft)) if outcome.possible else \
             (RoundKind.AUTOREGRESSIVE, 0)
         stats = RoundStats(kind, drafted, outcome.accepted, len(move.emitted), draft_s=t1 - t0,

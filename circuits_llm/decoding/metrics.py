@@ -2,7 +2,8 @@
 
 * mean latency ``mu_lat``: seconds per round (draft + verify), split into head parameterisation,
   drafting, draft conditionals, the verifier forward and the accept/reject step;
-* ``tokens_per_round`` (the paper's ``mu_acc``: tokens produced per round, in ``[1, n]``),
+* ``tokens_per_round`` (the paper's ``mu_acc``: tokens produced per round, in ``[1, L + 1]`` for a
+  round that verifies ``L`` drafts),
   ``acceptance_rate`` (accepted drafts / drafted tokens, vLLM's "draft acceptance rate") and
   per-position acceptance rates;
 * throughput ``mu_tok/s`` = new tokens / decoding seconds (= ``mu_acc / mu_lat``), and the
@@ -31,7 +32,9 @@ class RoundStats:
 
     Attributes:
         kind: speculative or autoregressive.
-        drafted: number of drafted tokens checked this round (``window - 1``; 0 for AR).
+        drafted: number of drafted tokens verified this round, ``L`` (``window - 1`` under the
+            default :class:`~circuits_llm.decoding.draft_length.DraftLength`, fewer under a
+            shorter or confidence rule; 0 for AR).
         accepted: number of drafted tokens accepted (0..drafted).
         emitted: tokens appended to the output by this round (before any final truncation).
         head_s, draft_s, conditionals_s, verify_s, accept_s: seconds spent computing the circuit
@@ -66,7 +69,8 @@ class DecodeSummary:
         tokens_per_call: ``new_tokens / backbone_calls``.
         acceptance_by_position: for draft position ``k = 1..n-1``, the fraction of speculative
             rounds in which the ``k``-th draft was accepted (vLLM's per-position rate).
-        conditional_acceptance_by_position: the same, among rounds that reached position ``k``.
+        conditional_acceptance_by_position: the same, among rounds that verified and reached
+            position ``k`` (under a dynamic draft length a round may verify fewer than ``n-1``).
         mean_latency_s: the paper's ``mu_lat``: mean seconds per round.
         mean_split_s: mean seconds per round of each phase (head, draft, conditionals, verify,
             accept).

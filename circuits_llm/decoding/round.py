@@ -4,27 +4,34 @@ A round (see :mod:`circuits_llm.decoding.decoder` for the invariant and ``docs/d
 the proof) is split at the backbone call:
 
 1. :meth:`RoundProgram.draft`: ``hidden`` (1, d) and the known next token ``c`` -> the drafted
-   window ``d_1..d_{n-1}`` and the draft's exact conditionals ``q`` over the head's draft
-   vocabulary. Head forward, normalisation, the conditioned bottom-up pass, the top-down draw (or
-   max-product completion when greedy) and the prefix-conditional pass.
-2. The backbone verifies ``[c, d_1..d_{n-1}]`` (one forward; :mod:`circuits_llm.backbone`).
+   window ``d_1..d_{n-1}``, the draft's exact conditionals ``q`` over the head's draft
+   vocabulary, and how many drafts to verify, ``L`` (the
+   :class:`~circuits_llm.decoding.draft_length.DraftLength` rule, ``n - 1`` by default; it reads
+   only draft-side quantities, which keeps the law exact). Head forward, normalisation, the conditioned
+   bottom-up pass, the top-down draw (or max-product completion when greedy), the
+   prefix-conditional pass and the rule.
+2. The backbone verifies ``[c, d_1..d_L]`` (one forward; :mod:`circuits_llm.backbone`).
 3. :meth:`RoundProgram.accept`: the verifier's logits -> how many drafts were accepted, the
-   emitted token, and the validity flags, vectorised over the window (residuals, bonus token).
+   emitted token, and the validity flags, vectorised over the window (residuals, bonus token);
+   ``L`` is a tensor input and the positions after it are masked (never accepted; the bonus
+   token comes from ``p_{L+1}``), so one graph serves every ``L``.
 
 Every tensor shape depends only on (window, draft vocabulary, model vocabulary, circuit
 structure): no ``.item()``, no data-dependent shapes, no Python branch on a tensor value. So
 both programs can be compiled (``torch.compile``; on CUDA also captured as CUDA graphs) and the
 only thing that crosses to the host per round is one small integer tensor
-(:meth:`RoundProgram.outcome`: the draft, the accepted count, the emitted token and the flags),
-which the accept program packs itself.
+(:meth:`RoundProgram.outcome`: the draft, ``L``, the accepted count, the emitted token and the
+flags), which the accept program packs itself; a draft-length rule that depends on the round adds
+the read of ``L`` (:meth:`RoundProgram.verified`) before the verify call, whose block length it
+sets.
 
 Compiled, both programs run as :class:`~circuits_llm.runtime.compiling.CompiledProgram`: under
 CUDA graphs every output is copied out before the program returns, because the draft's outputs
 are read after the backbone's verify forward and by the accept program (later compiled calls, which
 may overwrite the static outputs of every earlier one); and a program the compiler refuses runs
 eager, with one :class:`~circuits_llm.runtime.compiling.CompileFallbackWarning`. The draft program
-returns three tensors (the verify block, ``q``, the two flags) of which :class:`DraftResult`'s
-fields are views, so that only three small copies are made.
+returns four tensors (the verify block, ``q``, the two flags, ``L``) of which :class:`DraftResult`'s
+fields are views, so that only four small copies are made.
 
 Randomness comes from the caller's ``torch.Generator`` as one tape of float64 uniforms per round
 (:class:`UniformTape`), drawn before the programs run: compiled code never holds a generator,
@@ -50,6 +57,7 @@ from circuits.compiled.prepared import Trace
 from circuits.compiled.queries import row_conditionals
 from circuits.compiled.sampling import argmax_chooser, descend
 from circuits.kernels import GumbelChooser, use_backend
+from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
 from circuits_llm.runtime.compiling import CompiledProgram, Compiler
 
@@ -152,8 +160,8 @@ class UniformTape(GumbelChooser):
 class DraftResult:
     """What the draft program hands to the backbone and to the accept program.
 
-    The draft program returns ``block``, ``q`` and the two flags as one (2,) tensor; ``tokens``,
-    ``head_ok`` and ``possible`` are views of them (:meth:`RoundProgram._result`).
+    The draft program returns ``block``, ``q``, the two flags as one (2,) tensor and ``length``;
+    ``tokens``, ``head_ok`` and ``possible`` are views of them (:meth:`RoundProgram._result`).
 
     Attributes:
         tokens: (n-1,) long, the drafted tokens as model-vocabulary ids (``block[0, 1:]``).
@@ -163,6 +171,9 @@ class DraftResult:
         head_ok: () bool, the raw head outputs are usable: no NaN, no ``+inf``, and every row
             (a softmax's last dimension) has an entry above ``-inf``.
         possible: () bool, the evidence ``X_0 = c`` has probability above zero under the draft.
+        length: () long, ``L``: how many drafts the round verifies (0..n-1; the
+            :class:`~circuits_llm.decoding.draft_length.DraftLength` rule); ``None``: ``n - 1``.
+            The verify block is ``block[:, :L + 1]``.
     """
 
     tokens: Tensor
@@ -170,6 +181,7 @@ class DraftResult:
     q: Tensor | None
     head_ok: Tensor
     possible: Tensor
+    length: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +189,7 @@ class RoundOutcome:
     """The host's view of a round, read in one transfer.
 
     Attributes:
-        draft: the drafted tokens (model ids).
+        draft: the verified drafts (model ids): the first ``L`` of the window.
         accepted: how many of them were accepted.
         token: the emitted correction or bonus token.
         head_ok: the head's output was usable (see :class:`DraftResult`).
@@ -207,14 +219,23 @@ class RoundProgram:
             inductor fuses itself.
         compiler: the compiler of both programs when ``compile`` (``None``: the current one,
             :func:`~circuits_llm.runtime.compiling.use_compiler`).
+        draft_length: how many drafts a round verifies
+            (:class:`~circuits_llm.decoding.draft_length.DraftLength`; ``None``: the whole window).
     """
 
     def __init__(self, head: object, config: SamplingConfig, *, compile: bool = False,
-                 compiler: Compiler | None = None) -> None:
+                 compiler: Compiler | None = None, draft_length: DraftLength | None = None) -> None:
         self.head = head
         self.config = config
         self.circuit: CompiledCircuit = head.circuit  # type: ignore[attr-defined]
         self.window: int = head.window  # type: ignore[attr-defined]
+        rule = DraftLength.fixed() if draft_length is None else draft_length
+        if not isinstance(rule, DraftLength):
+            raise DecoderError(f"draft_length must be a DraftLength, got {rule!r}")
+        rule.check(self.window)
+        self.draft_length = rule
+        #: the number of drafts every round verifies, when the rule fixes it (else None)
+        self.static_length = rule.static_length(self.window)
         self.vocab_size: int = head.vocab_size  # type: ignore[attr-defined]
         device = self.circuit.device
         tokens = getattr(head, "draft_tokens", None)
@@ -229,7 +250,8 @@ class RoundProgram:
         self.compiled = compile
         #: eager refresh of the head's cached derived tensors, which compiled code only reads
         self._refresh: Callable[[], None] | None = getattr(head, "refresh_derived", None)
-        self._draft: Callable[..., tuple[Tensor, Tensor | None, Tensor]] = self._draft_program
+        self._draft: Callable[..., tuple[Tensor, Tensor | None, Tensor, Tensor]] = \
+            self._draft_program
         self._accept: Callable[..., Tensor] = self._accept_program
         self.tape_length = 0 if config.greedy else self._count_uniforms()
         if compile:
@@ -240,7 +262,8 @@ class RoundProgram:
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit,
                                                      4 * MAX_PROGRAMS)
             label = (f"{getattr(head, 'architecture', None) or type(head).__name__} head, window "
-                     f"{self.window}, {'greedy' if config.greedy else 'sampling'}")
+                     f"{self.window}, {'greedy' if config.greedy else 'sampling'}"
+                     f"{'' if rule == DraftLength.fixed() else ', draft length ' + rule.describe()}")
             # outputs copied out under CUDA graphs; a program the compiler refuses runs eager
             self._draft = CompiledProgram(self._draft_program, name=f"draft program ({label})",
                                           device=device, compiler=compiler)
@@ -299,16 +322,26 @@ class RoundProgram:
         return self._result(*self._draft_program(hidden, c, uniforms))
 
     @staticmethod
-    def _result(block: Tensor, q: Tensor | None, flags: Tensor) -> DraftResult:
-        """The draft program's three outputs -> a :class:`DraftResult` whose tokens and flags are
+    def _result(block: Tensor, q: Tensor | None, flags: Tensor, length: Tensor) -> DraftResult:
+        """The draft program's four outputs -> a :class:`DraftResult` whose tokens and flags are
         views of them (no copy, no kernel)."""
-        return DraftResult(block[0, 1:], block, q, flags[0], flags[1])
+        return DraftResult(block[0, 1:], block, q, flags[0], flags[1], length)
+
+    def verified(self, draft: DraftResult) -> int:
+        """``L``, the number of drafts this round verifies, on the host: the rule's fixed number,
+        or a read of ``draft.length`` (one small synchronisation) for a rule that depends on the
+        round. The verify block is ``draft.block[:, :L + 1]``."""
+        if self.static_length is not None:
+            return self.static_length
+        return self.window - 1 if draft.length is None else int(draft.length)
 
     def _draft_program(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None
-                       ) -> tuple[Tensor, Tensor | None, Tensor]:
+                       ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """The compiled draft program: ``(block (1, n) long, q (n-1, K) float64 or None when
-        greedy, flags (2,) bool: head_ok, possible)`` (see :class:`DraftResult`). Few outputs:
-        under CUDA graphs each is copied out once per round."""
+        greedy, flags (2,) bool: head_ok, possible, length () long: L)`` (see
+        :class:`DraftResult`). Few outputs: under CUDA graphs each is copied out once per round.
+        The draft-length rule reads the conditionals (computed for it when greedy too) and the
+        drafts, nothing of the target."""
         raw = self.head(hidden)  # type: ignore[operator]
         head_ok = torch.stack([_usable(v) for v in raw.values()]).all()
         chooser = None if uniforms is None else UniformTape(uniforms)
@@ -318,11 +351,13 @@ class RoundProgram:
         block = torch.cat([c, tokens])[None]
         possible = inside & torch.isfinite(value).all()
         flags = torch.stack([head_ok, possible])
-        if uniforms is None:
-            return block, None, flags
+        rule = self.draft_length
+        if uniforms is None and not rule.needs_conditionals:
+            return block, None, flags, rule.decide(None, drafted)
         q = self._conditionals(prepared, state)[0]
         q = torch.where(possible & torch.isfinite(q).all(-1, keepdim=True), q, 0.0)
-        return block, q, flags
+        length = rule.decide(q, drafted)
+        return block, None if uniforms is None else q, flags, length
 
     def _conditionals(self, prepared: object, states: Tensor) -> Tensor:
         """``q(X_k | X_0, d_1..d_{k-1})`` for ``k = 1..n-1`` of each window in ``states``
@@ -357,38 +392,54 @@ class RoundProgram:
 
     # ------------------------------------------------------------------ accept
     def accept(self, logits: Tensor, draft: DraftResult, uniforms: Tensor | None) -> Tensor:
-        """The verifier's ``logits`` (n, V) -> one long tensor holding, in order, the draft
-        tokens (n-1), the accepted count, the emitted token, and the head, verifier and evidence
-        flags:
-        everything :meth:`outcome` reads in the round's one host transfer."""
+        """The verifier's ``logits`` (L+1, V) for the block ``[c, d_1..d_L]`` -> one long tensor
+        holding, in order, the draft tokens (n-1), ``L``, the accepted count, the emitted token,
+        and the head, verifier and evidence flags: everything :meth:`outcome` reads in the round's
+        one host transfer. Fewer than ``n`` rows are padded to ``n`` (rows the program masks), so
+        the accept program has one shape whatever ``L``."""
         with torch.no_grad():
+            missing = self.window - logits.shape[0]
+            if missing:
+                logits = torch.nn.functional.pad(logits, (0, 0, 0, missing))
             return self._accept(logits, draft.tokens, draft.q, draft.head_ok, draft.possible,
-                                uniforms)
+                                uniforms, draft.length)
 
     def _accept_program(self, logits: Tensor, tokens: Tensor, q: Tensor | None, head_ok: Tensor,
-                        possible: Tensor, uniforms: Tensor | None) -> Tensor:
+                        possible: Tensor, uniforms: Tensor | None,
+                        length: Tensor | None = None) -> Tensor:
         """The compiled accept program: :meth:`_accept_eager` and the packing of its decisions with
-        the draft into :meth:`accept`'s one tensor (one output: one copy under CUDA graphs)."""
-        accepted, token, verifier_ok = self._accept_eager(logits, tokens, q, possible, uniforms)
+        the draft into :meth:`accept`'s one tensor (one output: one copy under CUDA graphs).
+        ``length`` () long: ``L`` (``None``: ``n - 1``)."""
+        if length is None:
+            length = torch.full((), self.window - 1, dtype=torch.long, device=tokens.device)
+        accepted, token, verifier_ok = self._accept_eager(logits, tokens, q, possible, uniforms,
+                                                          length)
         flags = torch.stack([head_ok, verifier_ok, possible]).long()
-        return torch.cat([tokens, accepted[None], token[None], flags])
+        return torch.cat([tokens, length[None], accepted[None], token[None], flags])
 
     def _accept_eager(self, logits: Tensor, tokens: Tensor, q: Tensor | None, possible: Tensor,
-                      uniforms: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                      uniforms: Tensor | None, length: Tensor | int | None = None
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+        """``logits`` (n, V) (rows after ``L + 1`` are padding, never read for a decision),
+        ``tokens`` (n-1,) model ids, ``q`` (n-1, K) or None (greedy), ``length`` ``L`` (() long
+        tensor or int; ``None``: ``n - 1``) -> (accepted (), emitted token (), verifier ok ())."""
         drafted = self.window - 1
+        verified = torch.arange(drafted, device=tokens.device) < (drafted if length is None
+                                                                   else length)
+        rows = self._verified_rows(logits, length)
         if q is None:  # greedy: accept the prefix that matches the argmax, then emit an argmax
             best = logits.argmax(-1)
-            ok = torch.isfinite(logits.amax(-1)).all()
+            ok = (torch.isfinite(logits.amax(-1)) | ~rows).all()
             # a draft the head could not make (impossible X_0 = c) is never accepted: p_1 decides
-            matches = (tokens == best[:drafted]) & possible
+            matches = (tokens == best[:drafted]) & possible & verified
             accepted = torch.cumprod(matches.long(), 0).sum()
             return accepted, best.index_select(0, accepted[None])[0], ok
         assert uniforms is not None
         warped = warp_logits(logits, self.config)
-        ok = torch.isfinite(warped.amax(-1)).all()
+        ok = (torch.isfinite(warped.amax(-1)) | ~rows).all()
         p = torch.softmax(warped.double(), -1)  # (n, V)
         tests = uniforms[-self.window:]
-        accepted, row = self._decide(p, q, tokens, tests[:drafted])
+        accepted, row = self._decide(p, q, tokens, tests[:drafted], length)
         cdf = row.cumsum(0)
         token = torch.searchsorted(cdf, (tests[drafted] * cdf[-1])[None], right=True)[0]
         token = token.clamp(max=self.vocab_size - 1)
@@ -396,20 +447,32 @@ class RoundProgram:
         token = torch.where(row.index_select(0, token[None])[0] > 0, token, row.argmax())
         return accepted, token, ok
 
-    def _decide(self, p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor) -> tuple[Tensor, Tensor]:
+    def _verified_rows(self, logits: Tensor, length: Tensor | int | None) -> Tensor:
+        """(n,) bool: the verifier rows of the block ``[c, d_1..d_L]`` (the first ``L + 1``; the
+        rest is padding, whose validity does not matter)."""
+        bound = self.window if length is None else length + 1
+        return torch.arange(logits.shape[0], device=logits.device) < bound
+
+    def _decide(self, p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
+                length: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
         """:func:`round_law`'s decisions, computing only what one round reads.
 
         ``p`` (n, V) float64 target probabilities, ``q`` (n-1, K) the draft's conditionals over
-        the draft vocabulary, ``tokens`` (n-1,) the drafts (model ids), ``tests`` (n-1,) uniforms
-        -> (the number of accepted drafts (), the law of the emitted token (V,)). The same
-        acceptance ratios as :func:`round_law`; of its fallback rows only the one that is used
-        (the residual after the first rejection, or ``p_n``) is built, so a round touches ``V``
-        entries once instead of ``(n-1) V`` times (large vocabularies)."""
+        the draft vocabulary, ``tokens`` (n-1,) the drafts (model ids), ``tests`` (n-1,) uniforms,
+        ``length`` ``L`` (``None``: ``n - 1``) -> (the number of accepted drafts (), the law of
+        the emitted token (V,)). The same acceptance ratios as :func:`round_law` on the first
+        ``L`` positions (``round_law(p[:L+1], q[:L], draft[:L])``): a position after ``L`` has
+        ratio 0 (never accepted), and when all ``L`` are accepted the bonus row is ``p_{L+1}``. Of
+        the fallback rows only the one that is used (the residual after the first rejection, or
+        the bonus row) is built, so a round touches ``V`` entries once instead of ``(n-1) V``
+        times (large vocabularies)."""
         drafted = tokens.shape[0]
+        length = drafted if length is None else length
         q = usable_conditionals(q.double())
         index = tokens if self.position is None else self.position[tokens]  # draft indices
         rows = torch.arange(drafted, device=p.device)
         ratio = acceptance_ratios(p[rows, tokens], q[rows, index])
+        ratio = torch.where(rows < length, ratio, 0.0)  # after L: not drafted, never accepted
         accepted = torch.cumprod((tests < ratio).long(), 0).sum()
         p_row = p.index_select(0, accepted[None])[0]  # (V,)
         q_row = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, accepted[None])[0]
@@ -420,12 +483,13 @@ class RoundProgram:
             residual = p_row.index_copy(0, self.draft_tokens, inside)
         mass = residual.sum()
         residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p_row)
-        return accepted, torch.where(accepted == drafted, p_row, residual)
+        return accepted, torch.where(accepted == length, p_row, residual)
 
     @staticmethod
     def outcome(packed: Tensor) -> RoundOutcome:
-        """Read :meth:`accept`'s tensor on the host: the round's one synchronisation."""
+        """Read :meth:`accept`'s tensor on the host: the round's one synchronisation (a rule
+        whose ``L`` depends on the round adds one before the verify call)."""
         values = packed.tolist()
-        return RoundOutcome(tuple(values[:-5]), values[-5], values[-4], bool(values[-3]),
+        return RoundOutcome(tuple(values[:values[-6]]), values[-5], values[-4], bool(values[-3]),
                             bool(values[-2]), bool(values[-1]))
 
