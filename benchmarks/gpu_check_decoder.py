@@ -5,7 +5,7 @@ The law (on the toy LM of ``tests/toy.py``: 3 tokens, windows of 3, logits a ran
 the last two tokens, so the target law of the first :data:`LAW_TOKENS` tokens is enumerable):
 
 * **enumerated** (exact): the law of what the decoder emits, every branch of every round weighed
-  with the round functions the decoder runs, computed on the device (:func:`exact_law`: the
+  with the round functions the decoder runs, computed on the device (:func:`toy.decoder_law`: the
   head's exact conditionals for every draft, :func:`~circuits_llm.decoding.round.round_law`,
   :func:`~circuits_llm.decoding.decoder.transition`), against the brute-force target law on the
   CPU, for the four head templates; the paper's drop-the-correction variant is the negative
@@ -26,10 +26,9 @@ graphs on CUDA).
 
 from __future__ import annotations
 
-import itertools
 import sys
-from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,15 +45,14 @@ from benchmarks.gpu_check_core import (
     g_test,
 )
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.decoding.decoder import CorrectionPolicy, SpeculativeDecoder, round_law, transition
-from circuits_llm.decoding.round import RoundProgram
-from circuits_llm.decoding.warping import SamplingConfig, target_probs
+from circuits_llm.decoding.decoder import CorrectionPolicy, SpeculativeDecoder
+from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.heads import MTPHead
 from circuits_llm.protocols import BackboneStep
 
 # the toy LM, head and target law of the exactness tests, reused (tests/ is not a package)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from toy import Law, ToyHead, ToyLM, target_law, total_variation
+from toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
 
 LAW_VOCAB, LAW_WINDOW, LAW_TOKENS = 3, 3, 3
 LAW_PROMPT = (0, 1)
@@ -89,61 +87,8 @@ def toy_pair(settings: Settings, architecture: str, rank: int, seed: int,
     return lm, head.to(settings.device)
 
 
-def exact_law(lm: DeviceToyLM, head: ToyHead, prompt: Sequence[int], length: int,
-              config: SamplingConfig, policy: CorrectionPolicy = CorrectionPolicy.EXACT) -> Law:
-    """The exact law of the first ``length`` tokens the decoder emits, computed on the head's
-    device: ``tests/toy.py``'s ``decoder_law`` (whole draft vocabulary) with every tensor there.
-
-    Every draft ``(D, n-1)`` is weighed by its exact probability (the product of the head's
-    conditionals, :meth:`RoundProgram.conditionals`), every accept/reject outcome and emitted
-    token by :func:`round_law`'s ``outcome_probs``; a round's outcome depends only on the sequence
-    so far, so rounds are memoised by it."""
-    window, vocab, device = head.window, lm.vocab_size, head.circuit.device
-    program = RoundProgram(head, config)
-    drafts = torch.tensor(list(itertools.product(range(vocab), repeat=window - 1)), device=device)
-    rounds: dict[tuple[int, ...], Law] = {}
-
-    def round_outcomes(sequence: tuple[int, ...]) -> Law:
-        if sequence in rounds:
-            return rounds[sequence]
-        outcomes: Law = defaultdict(float)
-        lm.reset()
-        c = sequence[-1]
-        if len(sequence) == 1:  # a one-token prompt: an autoregressive step
-            p = target_probs(lm.extend(torch.tensor([[c]])).verifier_logits[0, -1], config)
-            for y, prob in enumerate(p.tolist()):
-                outcomes[(y,)] += prob
-        else:
-            hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
-            q_all = program.conditionals(hidden, c, drafts)  # (D, n-1, V) on the device
-            weights = q_all.gather(2, drafts[:, :, None])[:, :, 0].prod(1).tolist()
-            for draft, q, weight in zip(drafts, q_all, weights, strict=True):
-                if weight <= 0:
-                    continue
-                lm.crop(len(sequence) - 1)
-                step = lm.extend(torch.cat([draft.new_tensor([c]), draft])[None])
-                probs = round_law(target_probs(step.verifier_logits[0], config), q, draft).outcome_probs()
-                for s, y in probs.nonzero().tolist():
-                    move = transition(policy, draft.tolist(), s, y)
-                    outcomes[move.emitted] += weight * float(probs[s, y])
-        rounds[sequence] = dict(outcomes)
-        return rounds[sequence]
-
-    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
-        result: Law = defaultdict(float)
-        for emitted, prob in round_outcomes(sequence).items():
-            if len(emitted) >= remaining:
-                result[emitted[:remaining]] += prob
-                continue
-            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
-                result[emitted + tail] += prob * tail_prob
-        return result
-
-    return dict(continuation(tuple(prompt), length))
-
-
 def _enumerated_row(settings: Settings) -> Outcome:
-    """:func:`exact_law` of every head against the target law; the drop-the-correction law must
+    """:func:`toy.decoder_law` of every head against the target law; the drop-the-correction law must
     differ (the check can fail)."""
     config = SamplingConfig(1.0)
     values: dict[str, dict[str, float]] = {}
@@ -151,8 +96,8 @@ def _enumerated_row(settings: Settings) -> Outcome:
         lm, head = toy_pair(settings, architecture, rank, settings.seed)
         target = target_law(lm, LAW_PROMPT, LAW_TOKENS, config)
         values[architecture] = {
-            "tv_exact": total_variation(exact_law(lm, head, LAW_PROMPT, LAW_TOKENS, config), target),
-            "tv_biased_control": total_variation(exact_law(lm, head, LAW_PROMPT, LAW_TOKENS, config,
+            "tv_exact": total_variation(decoder_law(lm, head, LAW_PROMPT, LAW_TOKENS, config), target),
+            "tv_biased_control": total_variation(decoder_law(lm, head, LAW_PROMPT, LAW_TOKENS, config,
                                                            CorrectionPolicy.DROP_AFTER_ACCEPT), target)}
     worst = max(v["tv_exact"] for v in values.values())
     control = min(v["tv_biased_control"] for v in values.values())

@@ -182,6 +182,7 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
                 draft_length: DraftLength | LengthRule | None = None) -> Law:
     """The exact law of the first ``length`` tokens a :class:`SpeculativeDecoder` emits.
 
+    Runs on the head's device (an LM whose outputs are there too: the GPU check's).
     Enumerates every branch of the algorithm with the decoder's own round functions: every draft
     (over the head's draft vocabulary: all tokens, or its compressed ``draft_tokens``) weighted
     by its exact draft probability (the product of the conditionals the round program computes,
@@ -199,12 +200,12 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
     (``round_law(p[:L+1], q[:L], d[:L])``, the bonus from ``p_{L+1}``). A :data:`LengthRule`
     callable: a rule of the tests (negative controls), which may also read the target ``p``.
     """
-    window, vocab = head.window, lm.vocab_size
+    window, vocab, device = head.window, lm.vocab_size, head.circuit.device
     rule = draft_length if isinstance(draft_length, DraftLength) else None
     program = RoundProgram(head, config, draft_length=rule)
-    ids = torch.arange(vocab) if head.draft_tokens is None else head.draft_tokens
+    ids = torch.arange(vocab, device=device) if head.draft_tokens is None else head.draft_tokens
     inside = set(ids.tolist())
-    drafts = torch.tensor(list(itertools.product(range(len(ids)), repeat=window - 1)))
+    drafts = torch.tensor(list(itertools.product(range(len(ids)), repeat=window - 1)), device=device)
     rounds: dict[tuple[int, ...], Law] = {}
 
     def round_outcomes(sequence: tuple[int, ...]) -> Law:
@@ -220,20 +221,20 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
         else:
             hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
             if c not in inside:  # X_0 = c impossible: every draft is rejected, p_1 decides
-                q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64)
-                draft_probs = torch.zeros(len(drafts), dtype=torch.float64)
+                q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64, device=device)
+                draft_probs = torch.zeros(len(drafts), dtype=torch.float64, device=device)
                 draft_probs[0] = 1.0  # any one draft stands for the round
             else:
                 compact = program.conditionals(hidden, c, drafts)  # (D, n-1, K)
                 draft_probs = compact.gather(2, drafts[:, :, None])[:, :, 0].prod(1)
-                q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64)
+                q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64, device=device)
                 q_all[:, :, ids] = compact
             for index, q, weight in zip(drafts, q_all, draft_probs.tolist(), strict=True):
                 if weight <= 0:
                     continue
                 draft = ids[index]
                 lm.crop(len(sequence) - 1)
-                step = lm.extend(torch.cat([torch.tensor([c]), draft])[None])
+                step = lm.extend(torch.cat([torch.tensor([c], device=device), draft])[None])
                 p = target_probs(step.verifier_logits[0], config)
                 if draft_length is None:
                     law = round_law(p, q, draft)
