@@ -6,8 +6,8 @@ the last two tokens, so the target law of the first :data:`LAW_TOKENS` tokens is
 
 * **enumerated** (exact): the law of what the decoder emits, every branch of every round weighed
   with the round functions the decoder runs, computed on the device (:func:`toy.decoder_law`: the
-  head's exact conditionals for every draft, :func:`~circuits_llm.decoding.round.round_law`,
-  :func:`~circuits_llm.decoding.decoder.transition`), against the brute-force target law on the
+  head's exact conditionals for every draft, :func:`~circuits_llm.decoding.acceptance.round_law`,
+  :func:`~circuits_llm.decoding.acceptance.transition`), against the brute-force target law on the
   CPU, for the four head templates; the paper's drop-the-correction variant is the negative
   control (its law must differ);
 * **sampled** (end to end): ``SpeculativeDecoder.generate`` run many times on the device, its

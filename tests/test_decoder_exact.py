@@ -24,12 +24,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from circuits_llm.decoding.decoder import (
-    AutoregressiveDecoder,
-    CorrectionPolicy,
-    SpeculativeDecoder,
-    round_law,
-)
+from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.metrics import RoundKind, aggregate, speedup
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig, target_probs, warp_logits

@@ -30,10 +30,11 @@ from toy import LengthRule, ToyHead, ToyLM, decoder_law, target_law, total_varia
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 from circuits_llm.backbone import HFBackbone
+from circuits_llm.decoding.acceptance import round_law, usable_conditionals
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import Confidence, DraftLength, DraftLengthKind
 from circuits_llm.decoding.metrics import RoundKind
-from circuits_llm.decoding.round import RoundProgram, round_law, usable_conditionals
+from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.heads import MTPHead
 from circuits_llm.runtime.compiling import use_compiler

@@ -20,13 +20,14 @@ from hypothesis import strategies as st
 from toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
 
 from circuits.compiled.queries import log_prefix_conditionals
+from circuits_llm.decoding.acceptance import round_law
 from circuits_llm.decoding.decoder import (
     AutoregressiveDecoder,
     CorrectionPolicy,
     DecoderError,
     SpeculativeDecoder,
 )
-from circuits_llm.decoding.round import RoundProgram, round_law
+from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig
 
 EXACT_TV = 1e-9

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from circuits.compiled import CompiledCircuit, compile
 from circuits.templates import build
-from circuits_llm.decoding.decoder import CorrectionPolicy, round_law, transition
+from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law, transition, usable_conditionals
 from circuits_llm.decoding.draft_length import DraftLength
-from circuits_llm.decoding.round import RoundProgram, usable_conditionals
+from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig, target_probs
 from circuits_llm.protocols import BackboneStep
 

@@ -35,16 +35,15 @@ every draft is rejected and ``p_1`` decides: an autoregressive round in law. Inv
 outputs or verifier logits raise a :class:`DecoderError` naming the tensor; so does a concurrent
 ``generate`` (not thread-safe).
 
-The verification law is a pure function of ``(p, q, draft)`` (:func:`round_law`) followed by
-:func:`transition`; the accept program and the exact-law enumerator of the tests both call them.
+The verification law is a pure function of ``(p, q, draft)`` followed by a state change
+(:mod:`circuits_llm.decoding.acceptance`: ``round_law``, ``transition``); the accept program and
+the exact-law enumerator of the tests both use them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import Tensor
@@ -52,62 +51,26 @@ from torch import Tensor
 from circuits.compiled import CompiledCircuit
 from circuits.compiled.circuit import LogParameters
 from circuits.errors import InvalidInputError
+from circuits_llm.decoding.acceptance import CorrectionPolicy, Transition, transition
+from circuits_llm.decoding.backbones import as_backbone, hf_model_under
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.exclusive import exclusive
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats, summarize
-from circuits_llm.decoding.round import RoundLaw, RoundOutcome, RoundProgram, round_law
+from circuits_llm.decoding.round import RoundOutcome, RoundProgram
 from circuits_llm.decoding.stopping import StopCondition, eos_ids
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
 from circuits_llm.protocols import (
     Backbone,
     BackboneStep,
     DraftHead,
-    backbone_problem,
     draft_head_problem,
 )
 from circuits_llm.runtime.compiling import Compiler, current_compiler
 
 __all__ = [
     "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "DraftLength",
-    "RoundLaw", "SpeculativeDecoder", "Transition", "round_law", "transition",
+    "SpeculativeDecoder",
 ]
-
-
-class CorrectionPolicy(Enum):
-    """What a round does with the verifier's correction/bonus token.
-
-    ``EXACT``: always keep it (this decoder; lossless). ``DROP_AFTER_ACCEPT``: the MTPC paper's
-    Algorithm 2 semantics mapped onto this round structure: keep it only when no draft was
-    accepted, otherwise drop it and restart after the last accepted token. It is **biased** when
-    sampling (see ``docs/decoder-exactness.md``) and exists only as the tests' negative control.
-    """
-
-    EXACT = "exact"
-    DROP_AFTER_ACCEPT = "drop_after_accept"
-
-
-@dataclass(frozen=True)
-class Transition:
-    """How a round's outcome changes the decoder state.
-
-    Attributes:
-        emitted: tokens appended to the output.
-        next_token: the new ``c`` (decided, not cached).
-        keep: how many tokens of the verified block ``[c, d_1, ..]`` stay cached; the draft hidden
-            state at block index ``keep - 1`` seeds the next round.
-    """
-
-    emitted: tuple[int, ...]
-    next_token: int
-    keep: int
-
-
-def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
-               token: int) -> Transition:
-    """The state change after accepting ``accepted`` drafts and sampling ``token``."""
-    if policy is CorrectionPolicy.DROP_AFTER_ACCEPT and accepted > 0:
-        return Transition(tuple(draft[:accepted]), int(draft[accepted - 1]), accepted)
-    return Transition((*draft[:accepted], token), token, accepted + 1)
 
 
 #: how invalid verifier logits are named in errors
@@ -149,56 +112,6 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _is_hf_model(model: object) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(model, PreTrainedModel)
-
-
-def _wrap_model(model: object, lora_layers: int, compile: bool,
-                blocks: Sequence[int] = (1,)) -> Backbone:
-    """An HF causal LM -> HFBackbone (static cache and compiled forwards for blocks of 1 and
-    every length in ``blocks`` when ``compile``); a Backbone is used as it is (a compiled
-    HFBackbone learns the block lengths ``blocks``); anything else is an error."""
-    lengths = sorted({1, *blocks})
-    problem = backbone_problem(model)
-    if problem is None:
-        if getattr(model, "compiled", False) and hasattr(model, "add_compiled_length"):
-            for length in lengths[1:]:
-                model.add_compiled_length(length)  # type: ignore[attr-defined]
-        return model  # type: ignore[return-value]
-    if _is_hf_model(model):
-        from circuits_llm.backbone import HFBackbone
-        if not compile:
-            return HFBackbone(model, lora_layers=lora_layers)  # type: ignore[arg-type]
-        return HFBackbone(model, lora_layers=lora_layers, compile=True,  # type: ignore[arg-type]
-                          compiled_lengths=lengths)
-    raise DecoderError(f"backbone must implement circuits_llm.protocols.Backbone or be a Hugging "
-                       f"Face PreTrainedModel: {problem}")
-
-
-#: how many wrappers :func:`_hf_model` looks through (``inner``: a backbone that wraps another)
-_WRAPPER_DEPTH = 8
-
-
-def _hf_model(backbone: object) -> object | None:
-    """The Hugging Face model under ``backbone``: itself, an ``HFBackbone``'s ``model``, or either
-    under wrappers that keep the backbone they wrap as ``inner`` (``ProcessedBackbone``); None
-    when there is none (a toy or custom backbone)."""
-    for _ in range(_WRAPPER_DEPTH):
-        if backbone is None:
-            return None
-        if _is_hf_model(backbone):
-            return backbone
-        model = getattr(backbone, "model", None)
-        if _is_hf_model(model):
-            return model
-        backbone = getattr(backbone, "inner", None)
-    return None
-
-
 class AutoregressiveDecoder:
     """Plain autoregressive decoding with a :class:`Backbone` (the benchmark baseline).
 
@@ -219,7 +132,7 @@ class AutoregressiveDecoder:
     lookahead = 0
 
     def __init__(self, backbone: Backbone | object, *, compile: bool = False) -> None:
-        self.backbone = _wrap_model(backbone, 0, compile)
+        self.backbone = as_backbone(backbone, 0, compile)
         self.compile = bool(compile)
 
     @property
@@ -257,7 +170,7 @@ class AutoregressiveDecoder:
         else ``config.eos_token_id``; :func:`~circuits_llm.decoding.stopping.eos_ids`) when the
         backbone is, or wraps, a Hugging Face model; ``()`` for other backbones. Read at every
         call, so a changed ``generation_config`` counts."""
-        model = _hf_model(self.backbone)
+        model = hf_model_under(self.backbone)
         return () if model is None else eos_ids(model)
 
     @staticmethod
@@ -410,7 +323,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if isinstance(window, int) and not isinstance(window, bool) and window >= 2:
             rule.check(window)
             blocks = tuple(length + 1 for length in rule.lengths(window))
-        self.backbone = _wrap_model(backbone, lora_layers, compile, blocks)
+        self.backbone = as_backbone(backbone, lora_layers, compile, blocks)
         problem = draft_head_problem(head)
         if problem is not None:
             raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead: {problem}")

@@ -57,6 +57,7 @@ from circuits.compiled.prepared import Trace
 from circuits.compiled.queries import row_conditionals
 from circuits.compiled.sampling import argmax_chooser, descend
 from circuits.kernels import GumbelChooser, use_backend
+from circuits_llm.decoding.acceptance import acceptance_ratios, usable_conditionals
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
 from circuits_llm.runtime.compiling import CompiledProgram, Compiler
@@ -64,69 +65,7 @@ from circuits_llm.runtime.compiling import CompiledProgram, Compiler
 #: compiled programs (head x configuration) one process can hold before Dynamo recompiles stop
 MAX_PROGRAMS = 64
 
-__all__ = ["DraftResult", "RoundLaw", "RoundOutcome", "RoundProgram", "UniformTape", "round_law"]
-
-
-@dataclass(frozen=True)
-class RoundLaw:
-    """Everything random about one verification, given ``p``, ``q`` and the draft.
-
-    Attributes:
-        accept: (n-1,) float64, ``a_k = min(1, p_k(d_k) / q_k(d_k))`` (0 where ``q_k(d_k) = 0``).
-        fallback: (n, V) float64; row ``k < n-1``: the law of the token emitted when draft
-            ``k+1`` is the first rejected one (the residual); row ``n-1``: the bonus law ``p_n``.
-    """
-
-    accept: Tensor
-    fallback: Tensor
-
-    def outcome_probs(self) -> Tensor:
-        """(n, V): ``P[s, y]`` = probability of accepting exactly ``s`` drafts, then emitting ``y``."""
-        ones = self.accept.new_ones(1)
-        reach = torch.cat([ones, torch.cumprod(self.accept, 0)])
-        stop = torch.cat([1 - self.accept, ones])
-        return (reach * stop)[:, None] * self.fallback
-
-
-def usable_conditionals(q: Tensor) -> Tensor:
-    """``q`` (n-1, K) with negative entries clamped to 0 and every row that is not a finite vector
-    (evidence impossible under the circuit) replaced by zeros: such a draft is never accepted."""
-    return torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
-
-
-def acceptance_ratios(p_drafted: Tensor, q_drafted: Tensor) -> Tensor:
-    """``min(1, p_k(d_k) / q_k(d_k))`` per drafted position (0 where ``q_k(d_k) = 0``)."""
-    safe = torch.where(q_drafted > 0, q_drafted, 1.0)
-    return torch.where(q_drafted > 0, p_drafted / safe, 0.0).clamp(max=1.0)
-
-
-def round_law(p: Tensor, q: Tensor, draft: Tensor) -> RoundLaw:
-    """The verification law of one round (pure; no randomness, no host synchronisation).
-
-    Args:
-        p: (n, V) target (warped) probabilities at window positions ``1..n``.
-        q: (n-1, V) the draft's exact conditionals ``q(X_k | c, d_1..d_{k-1})``. A row that is not
-            a finite vector (evidence impossible under the circuit) is treated as ``0``: its draft
-            is always rejected and the residual is ``p_k`` itself, which is exact whatever the
-            draft was.
-        draft: (n-1,) long, the drafted tokens.
-
-    Returns:
-        The :class:`RoundLaw`. A residual with zero mass is replaced by ``p_k``: it only occurs
-        when ``p_k <= q_k`` everywhere, i.e. ``p_k == q_k``, where rejection has probability 0.
-    """
-    p, q = p.double(), q.double().to(p.device)
-    drafted = draft.shape[0]
-    if p.shape[0] != drafted + 1 or q.shape != (drafted, p.shape[1]):
-        raise DecoderError(f"round_law needs p (n, V), q (n-1, V), draft (n-1,); got "
-                           f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(draft.shape)}")
-    q = usable_conditionals(q)
-    rows = torch.arange(drafted, device=p.device)
-    ratio = acceptance_ratios(p[rows, draft], q[rows, draft])
-    residual = (p[:drafted] - q).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p[:drafted])
-    return RoundLaw(accept=ratio, fallback=torch.cat([residual, p[drafted:]]))
+__all__ = ["DraftResult", "RoundOutcome", "RoundProgram", "UniformTape"]
 
 
 def _usable(raw: Tensor) -> Tensor:
@@ -455,7 +394,8 @@ class RoundProgram:
 
     def _decide(self, p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
                 length: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
-        """:func:`round_law`'s decisions, computing only what one round reads.
+        """The decisions of :func:`~circuits_llm.decoding.acceptance.round_law`, computing only what
+        one round reads.
 
         ``p`` (n, V) float64 target probabilities, ``q`` (n-1, K) the draft's conditionals over
         the draft vocabulary, ``tokens`` (n-1,) the drafts (model ids), ``tests`` (n-1,) uniforms,

@@ -1,0 +1,124 @@
+"""The exact law of one round's verification, and how its outcome moves the decoder.
+
+:func:`round_law` is a pure function of the target's probabilities ``p``, the draft's exact
+conditionals ``q`` and the drafts: the acceptance ratios, the residuals and the bonus law
+(:class:`RoundLaw`). :func:`transition` maps an outcome (how many drafts were accepted, the token
+emitted) to the decoder's next state, under a :class:`CorrectionPolicy`. The compiled accept
+program (:mod:`circuits_llm.decoding.round`) computes the same quantities on the device through
+:func:`usable_conditionals` and :func:`acceptance_ratios`, and the tests' exact-law enumerator calls
+:func:`round_law` and :func:`transition` themselves, so the law the tests check is the law the
+decoder runs (docs/decoder-exactness.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from circuits_llm.decoding.warping import DecoderError
+
+__all__ = ["CorrectionPolicy", "RoundLaw", "Transition", "acceptance_ratios", "round_law",
+           "transition", "usable_conditionals"]
+
+
+@dataclass(frozen=True)
+class RoundLaw:
+    """Everything random about one verification, given ``p``, ``q`` and the draft.
+
+    Attributes:
+        accept: (n-1,) float64, ``a_k = min(1, p_k(d_k) / q_k(d_k))`` (0 where ``q_k(d_k) = 0``).
+        fallback: (n, V) float64; row ``k < n-1``: the law of the token emitted when draft
+            ``k+1`` is the first rejected one (the residual); row ``n-1``: the bonus law ``p_n``.
+    """
+
+    accept: Tensor
+    fallback: Tensor
+
+    def outcome_probs(self) -> Tensor:
+        """(n, V): ``P[s, y]`` = probability of accepting exactly ``s`` drafts, then emitting ``y``."""
+        ones = self.accept.new_ones(1)
+        reach = torch.cat([ones, torch.cumprod(self.accept, 0)])
+        stop = torch.cat([1 - self.accept, ones])
+        return (reach * stop)[:, None] * self.fallback
+
+
+def usable_conditionals(q: Tensor) -> Tensor:
+    """``q`` (n-1, K) with negative entries clamped to 0 and every row that is not a finite vector
+    (evidence impossible under the circuit) replaced by zeros: such a draft is never accepted."""
+    return torch.where(torch.isfinite(q).all(-1, keepdim=True), q.clamp_min(0), 0.0)
+
+
+def acceptance_ratios(p_drafted: Tensor, q_drafted: Tensor) -> Tensor:
+    """``min(1, p_k(d_k) / q_k(d_k))`` per drafted position (0 where ``q_k(d_k) = 0``)."""
+    safe = torch.where(q_drafted > 0, q_drafted, 1.0)
+    return torch.where(q_drafted > 0, p_drafted / safe, 0.0).clamp(max=1.0)
+
+
+def round_law(p: Tensor, q: Tensor, draft: Tensor) -> RoundLaw:
+    """The verification law of one round (pure; no randomness, no host synchronisation).
+
+    Args:
+        p: (n, V) target (warped) probabilities at window positions ``1..n``.
+        q: (n-1, V) the draft's exact conditionals ``q(X_k | c, d_1..d_{k-1})``. A row that is not
+            a finite vector (evidence impossible under the circuit) is treated as ``0``: its draft
+            is always rejected and the residual is ``p_k`` itself, which is exact whatever the
+            draft was.
+        draft: (n-1,) long, the drafted tokens.
+
+    Returns:
+        The :class:`RoundLaw`. A residual with zero mass is replaced by ``p_k``: it only occurs
+        when ``p_k <= q_k`` everywhere, i.e. ``p_k == q_k``, where rejection has probability 0.
+    """
+    p, q = p.double(), q.double().to(p.device)
+    drafted = draft.shape[0]
+    if p.shape[0] != drafted + 1 or q.shape != (drafted, p.shape[1]):
+        raise DecoderError(f"round_law needs p (n, V), q (n-1, V), draft (n-1,); got "
+                           f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(draft.shape)}")
+    q = usable_conditionals(q)
+    rows = torch.arange(drafted, device=p.device)
+    ratio = acceptance_ratios(p[rows, draft], q[rows, draft])
+    residual = (p[:drafted] - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p[:drafted])
+    return RoundLaw(accept=ratio, fallback=torch.cat([residual, p[drafted:]]))
+
+
+class CorrectionPolicy(Enum):
+    """What a round does with the verifier's correction/bonus token.
+
+    ``EXACT``: always keep it (this decoder; lossless). ``DROP_AFTER_ACCEPT``: the MTPC paper's
+    Algorithm 2 semantics mapped onto this round structure: keep it only when no draft was
+    accepted, otherwise drop it and restart after the last accepted token. It is **biased** when
+    sampling (see ``docs/decoder-exactness.md``) and exists only as the tests' negative control.
+    """
+
+    EXACT = "exact"
+    DROP_AFTER_ACCEPT = "drop_after_accept"
+
+
+@dataclass(frozen=True)
+class Transition:
+    """How a round's outcome changes the decoder state.
+
+    Attributes:
+        emitted: tokens appended to the output.
+        next_token: the new ``c`` (decided, not cached).
+        keep: how many tokens of the verified block ``[c, d_1, ..]`` stay cached; the draft hidden
+            state at block index ``keep - 1`` seeds the next round.
+    """
+
+    emitted: tuple[int, ...]
+    next_token: int
+    keep: int
+
+
+def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
+               token: int) -> Transition:
+    """The state change after accepting ``accepted`` drafts and sampling ``token``."""
+    if policy is CorrectionPolicy.DROP_AFTER_ACCEPT and accepted > 0:
+        return Transition(tuple(draft[:accepted]), int(draft[accepted - 1]), accepted)
+    return Transition((*draft[:accepted], token), token, accepted + 1)
