@@ -149,7 +149,8 @@ def test_train_head_self_distill_from_the_command_line(
             str(corpus), "--no-progress", "--self-distill", "--arch", "btree", "--window", "4",
             "--rank", "4", "--seq-len", "16", "--batch-size", "4", "--steps", "2",
             "--eval-every", "2", "--eval-windows", "2", "--distill-samples", "6",
-            "--distill-prompt-len", "8", "--checkpoint-every", "0", "--threads", "1"]
+            "--distill-prompt-len", "8", "--checkpoint-every", "0", "--threads", "1",
+            "--distill-batch", "4"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["step"] == 2
@@ -160,3 +161,8 @@ def test_train_head_self_distill_from_the_command_line(
     assert max(int(cached["train"].max()), int(cached["validation"].max())) < tokenizer.vocab_size
     record = json.loads((run / "training.json").read_text())
     assert record["config"]["data"] == "self-distilled"
+    assert cached["key"]["batch_rows"] == record["config"]["distill_batch"] == 4
+    # self-distilled rows are a fixed set: their features are cached by default (train, validation)
+    assert record["config"]["cache_features"] == "auto" and len(record["feature_cache"]) == 2
+    assert all(Path(path).is_relative_to(tmp_path / "corpus-cache" / "features")
+               for path in record["feature_cache"])

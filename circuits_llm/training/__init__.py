@@ -1,7 +1,9 @@
 """Training circuit MTP heads (and LoRA draft layers) on a frozen causal LM.
 
 * :class:`HeadTrainingConfig`: the run's hyper-parameters (JSON round-trippable);
-  :class:`DataSource` picks the stdlib corpus or self-distilled data (FastMTP Sec. 2.4).
+  :class:`DataSource` picks the stdlib corpus or self-distilled data (FastMTP Sec. 2.4);
+  :class:`FeatureCaching` and :class:`FeatureDtype` say whether and how the backbone's features
+  are computed once and cached on disk (:mod:`circuits_llm.training.features`).
 * :func:`train_head`: resumable training with validation per window position, verified and
   rotated checkpoints, a locked run directory, graceful signals and an exported result; runs
   data-parallel under ``torchrun``.
@@ -10,7 +12,13 @@
 """
 
 from circuits_llm.runtime.checkpoint import CheckpointError, CheckpointWriteError
-from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
+from circuits_llm.training.config import (
+    DataSource,
+    FeatureCaching,
+    FeatureDtype,
+    HeadTrainingConfig,
+    TrainingConfigError,
+)
 from circuits_llm.training.lock import RunDirectoryBusy
 from circuits_llm.training.loop import CHECKPOINT_FILE, NonFiniteTrainingError, train_head
 from circuits_llm.training.results import (
@@ -24,7 +32,8 @@ from circuits_llm.training.signals import TrainingInterrupted
 
 __all__ = [
     "CHECKPOINT_FILE", "PREVIOUS_CHECKPOINT_FILE", "CheckpointError", "CheckpointWriteError",
-    "DataSource", "HeadTrainingConfig", "HeadTrainingResult", "NonFiniteTrainingError",
+    "DataSource", "FeatureCaching", "FeatureDtype", "HeadTrainingConfig", "HeadTrainingResult",
+    "NonFiniteTrainingError",
     "PositionValidation", "RunDirectoryBusy", "TrainingConfigError", "TrainingInterrupted",
     "load_trained_head", "read_record", "train_head",
 ]

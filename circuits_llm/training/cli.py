@@ -10,7 +10,10 @@ Example (resumable; run it again with the same arguments to continue)::
 tokenizer and cached on disk (:mod:`circuits_llm.text.corpus`; ``$CIRCUITS_LLM_CORPUS_CACHE`` moves the
 cache), so a resumed run tokenises nothing. ``--self-distill`` trains on the model's own
 continuations of corpus prompts (FastMTP; :mod:`circuits_llm.training.self_distill`), generated
-once with a progress bar into the run directory and resumed if interrupted.
+``--distill-batch`` rows at a time, once, with a progress bar into the run directory and resumed
+if interrupted. ``--cache-features`` (the default for ``--self-distill``) computes the backbone's
+features once into a disk cache and trains only the head and the LoRA layers
+(:mod:`circuits_llm.training.features`; ``--no-cache-features`` runs the backbone every step).
 
 Data-parallel on CPU: ``torchrun --nproc_per_node=2 -m circuits_llm train-head ...`` (the global
 ``--batch-size`` is split across the processes). ``--device`` takes the shared forms of
@@ -41,7 +44,13 @@ import torch
 
 from circuits_llm.runtime.devices import DeviceError, DeviceSpec, add_device_argument, resolve_device
 from circuits_llm.text.models import EMBEDDED, ModelLoadError, load_model
-from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
+from circuits_llm.training.config import (
+    DataSource,
+    FeatureCaching,
+    FeatureDtype,
+    HeadTrainingConfig,
+    TrainingConfigError,
+)
 
 _PROGRAM = "circuits-llm train-head"
 #: Exit status of a run that failed while training (input problems exit 2).
@@ -78,7 +87,9 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
         eval_windows=args.eval_windows, checkpoint_every_s=args.checkpoint_every,
         max_train_bytes=args.max_train_bytes, distill_samples=args.distill_samples,
         distill_prompt_len=args.distill_prompt_len,
-        distill_temperature=args.distill_temperature, bf16=args.bf16)
+        distill_temperature=args.distill_temperature, bf16=args.bf16,
+        distill_batch=args.distill_batch, cache_features=args.cache_features,
+        feature_dtype=args.feature_dtype)
 
 
 def _train_head(args: argparse.Namespace) -> int:
@@ -177,7 +188,30 @@ def add_train_head_command(sub: Any) -> None:
                         "byte model)")
     p.add_argument("--distill-samples", type=int, default=d.distill_samples)
     p.add_argument("--distill-prompt-len", type=int, default=d.distill_prompt_len)
-    p.add_argument("--distill-temperature", type=float, default=d.distill_temperature)
+    p.add_argument("--distill-temperature", type=float, default=d.distill_temperature,
+                   help="temperature of the self-distilled continuations: the one the head will "
+                        "decode at (0 = greedy)")
+    p.add_argument("--distill-batch", type=int, default=d.distill_batch,
+                   help="self-distilled rows generated together, one batched forward per token "
+                        f"(default {d.distill_batch})")
+    features = p.add_mutually_exclusive_group()
+    features.add_argument(
+        "--cache-features", dest="cache_features", action="store_const",
+        const=FeatureCaching.ON.value, default=d.cache_features.value,
+        help="compute the backbone features the head reads (with --lora-layers k: the input of "
+             "layer N-k) once, store them on disk and train only the head and the LoRA layers; "
+             "disk: rows x seq-len x hidden-size x 2 bytes (float16; e.g. 147 KiB per row for "
+             "SmolLM2-135M at --seq-len 128), in $CIRCUITS_LLM_FEATURE_CACHE or features/ beside "
+             "the corpus cache; corpus data are then its disjoint --seq-len windows (default: on "
+             "for --self-distill, off for corpus data)")
+    features.add_argument("--no-cache-features", dest="cache_features", action="store_const",
+                          const=FeatureCaching.OFF.value,
+                          help="run the backbone at every step (see --cache-features)")
+    p.add_argument("--feature-dtype", choices=[t.value for t in FeatureDtype],
+                   default=d.feature_dtype.value,
+                   help="how cached features are stored: float16 (default), or exact (the "
+                        "model's dtype: the live values, up to the last bits a batch's size can change; "
+                        "twice the disk for float32)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the backbone forward")
     p.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in total")

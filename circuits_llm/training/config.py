@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from circuits.errors import UnknownArchitectureError
 from circuits.templates import Architecture
@@ -36,6 +36,49 @@ class DataSource(Enum):
 
     CORPUS = "corpus"
     SELF_DISTILLED = "self-distilled"
+
+
+_E = TypeVar("_E", bound=Enum)
+
+
+class FeatureCaching(Enum):
+    """Whether a run trains from cached backbone features (:mod:`circuits_llm.training.features`).
+
+    ``ON`` (``--cache-features``): the hidden states the head reads (``lora_layers = 0``) or the
+    input of layer ``N - k`` (the LoRA draft branch's, ``k = lora_layers``) are computed once per
+    training and validation row, stored on disk (:attr:`HeadTrainingConfig.feature_dtype`) and
+    read back by every step, which then runs only the head and the ``k`` draft layers. Corpus
+    data is then trained on its disjoint ``seq_len`` windows (every window of stride 1 would
+    need ``seq_len`` times the corpus in features). Disk: ``rows * seq_len * hidden_size * 2``
+    bytes in float16 (SmolLM2-135M, ``seq_len`` 128: 147 KiB per row).
+    ``OFF`` (``--no-cache-features``): every step runs the backbone.
+    ``AUTO`` (default): ``ON`` where caching leaves the data unchanged, i.e. for self-distilled
+    rows (a fixed set of sequences); ``OFF`` for corpus windows (stride 1). When the disk lacks
+    the room, ``AUTO`` trains from the backbone instead and says so.
+    """
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class FeatureDtype(Enum):
+    """How cached features are stored: ``FLOAT16`` (the default: half the bytes of float32; the
+    loss then equals the live one up to the rounding of the features to float16, relative
+    ``2^-11``) or ``EXACT`` (the backbone's own dtype: the features a live step reads, up to the
+    last bits a different batch composition can change; twice the disk for a float32 model)."""
+
+    FLOAT16 = "float16"
+    EXACT = "exact"
+
+
+def _parse_enum(kind: type[_E], name: str, value: object) -> _E:
+    """``value`` (a member or its value) as a member of ``kind``, else one clear error."""
+    try:
+        return kind(getattr(value, "value", value))
+    except ValueError:
+        known = ", ".join(str(item.value) for item in kind)
+        raise TrainingConfigError(f"unknown {name} {value!r}; choose one of: {known}") from None
 
 
 #: Fields that change neither the parameters nor the data of any step: a checkpoint written with
@@ -117,7 +160,13 @@ class HeadTrainingConfig:
         distill_samples: self-distilled training sequences to generate.
         distill_prompt_len: prompt tokens per self-distilled sequence; the response fills the
             rest of ``seq_len`` and must be at least ``window`` tokens long.
-        distill_temperature: sampling temperature of the self-distillation (0 = greedy).
+        distill_temperature: sampling temperature of the self-distillation (0 = greedy): the
+            temperature the head will decode at, so a greedy head learns from greedy
+            continuations.
+        distill_batch: self-distilled rows generated together, one batched forward per token
+            (part of the data's cache key: the batch can change the last bits of the logits).
+        cache_features: :class:`FeatureCaching` (``AUTO``: on for self-distilled data).
+        feature_dtype: :class:`FeatureDtype` of the cached features.
         bf16: run the backbone forward under bf16 autocast (slower than fp32 on most CPUs).
     """
 
@@ -148,6 +197,9 @@ class HeadTrainingConfig:
     distill_prompt_len: int = 64
     distill_temperature: float = 1.0
     bf16: bool = False
+    distill_batch: int = 16
+    cache_features: FeatureCaching = FeatureCaching.AUTO
+    feature_dtype: FeatureDtype = FeatureDtype.FLOAT16
 
     def __post_init__(self) -> None:
         if self.circuit_file is not None:
@@ -169,12 +221,11 @@ class HeadTrainingConfig:
             object.__setattr__(self, "variant", parse_variant(self.variant))
         except HeadConfigError as error:
             raise TrainingConfigError(str(error)) from None
-        try:
-            object.__setattr__(self, "data", DataSource(getattr(self.data, "value", self.data)))
-        except ValueError:
-            known = ", ".join(d.value for d in DataSource)
-            raise TrainingConfigError(f"unknown data source {self.data!r}; choose one of: "
-                                      f"{known}") from None
+        object.__setattr__(self, "data", _parse_enum(DataSource, "data source", self.data))
+        object.__setattr__(self, "cache_features", _parse_enum(
+            FeatureCaching, "cache_features setting", self.cache_features))
+        object.__setattr__(self, "feature_dtype", _parse_enum(
+            FeatureDtype, "feature_dtype", self.feature_dtype))
         self._check_numbers()
 
     def _check_numbers(self) -> None:
@@ -193,7 +244,7 @@ class HeadTrainingConfig:
         for name, minimum in (("lean_rank", 1), ("lora_layers", 0), ("lora_rank", 1),
                               ("batch_size", 1), ("steps", 1), ("seed", 0), ("eval_every", 1),
                               ("eval_windows", 1), ("distill_samples", 1),
-                              ("distill_prompt_len", 1)):
+                              ("distill_prompt_len", 1), ("distill_batch", 1)):
             _int(name, getattr(self, name), minimum)
         _int("seq_len", self.seq_len, self.window + 1)
         _positive("learning_rate", self.learning_rate)
@@ -229,6 +280,8 @@ class HeadTrainingConfig:
         values["architecture"] = getattr(self.architecture, "value", self.architecture)
         values["variant"] = self.variant.value
         values["data"] = self.data.value
+        values["cache_features"] = self.cache_features.value
+        values["feature_dtype"] = self.feature_dtype.value
         return values
 
     @classmethod

@@ -9,8 +9,10 @@ recorded, or bytes for a byte model); it must fit the model's vocabulary
 (:func:`circuits_llm.text.tokens.check_vocabulary`), so a byte corpus is never fed to a subword model.
 
 * :attr:`DataSource.CORPUS`: every window of ``seq_len`` tokens of the training split, capped at
-  ``max_train_bytes`` tokens (stride 1: :class:`StreamWindows`); validation: the first
-  ``eval_windows`` non-overlapping windows of the validation split.
+  ``max_train_bytes`` tokens (stride 1: :class:`StreamWindows`), or its disjoint windows (stride
+  ``seq_len``) when the run caches backbone features (``cache_features`` ``ON``:
+  :mod:`circuits_llm.training.features`); validation: the first ``eval_windows``
+  non-overlapping windows of the validation split.
 * :attr:`DataSource.SELF_DISTILLED` (FastMTP Sec. 2.4): prompts from the same streams continued
   by the model itself (:mod:`circuits_llm.training.self_distill`, cached and resumable in the run
   directory); the loss covers the responses only (windows start at the last prompt token or
@@ -35,7 +37,12 @@ from circuits_llm.heads.vocab import TokenCounts, token_counts
 from circuits_llm.text.byte_level import Split, stdlib_root
 from circuits_llm.text.corpus import CorpusError, TokenStream, tokenized_split
 from circuits_llm.text.tokens import TextTokenizer, TokenizerError, check_vocabulary, tokenizer_for
-from circuits_llm.training.config import DataSource, HeadTrainingConfig, TrainingConfigError
+from circuits_llm.training.config import (
+    DataSource,
+    FeatureCaching,
+    HeadTrainingConfig,
+    TrainingConfigError,
+)
 from circuits_llm.training.self_distill import (
     DISTILL_FILE,
     DISTILL_KIND,
@@ -61,6 +68,12 @@ class SequenceSet(ABC):
         """``(tokens (b, L) int64, mask (b, L) bool or None)`` for the row indices ``index`` (b,);
         the mask (:func:`circuits_llm.training.loss.mtp_loss`'s) marks tokens that may start a window or
         be a target, None: every token."""
+
+    @property
+    def token_source(self) -> SequenceSet:
+        """The set whose tokens these rows are: itself, or the set a wrapper (e.g. the cached
+        features of :mod:`circuits_llm.training.features`) adds to."""
+        return self
 
 
 @dataclass(frozen=True)
@@ -157,8 +170,11 @@ def training_streams(config: HeadTrainingConfig, tokenizer: TextTokenizer, root:
 
 def corpus_sets(config: HeadTrainingConfig, train: TokenStream, validation: TokenStream,
                 ) -> tuple[SequenceSet, SequenceSet]:
-    """``(train, validation)`` corpus windows (see the module docstring)."""
-    return (StreamWindows(train, config.seq_len, 1, len(train) - config.seq_len + 1),
+    """``(train, validation)`` corpus windows (see the module docstring): every window of the
+    training stream, or its disjoint ones when ``cache_features`` is ``ON``."""
+    stride = config.seq_len if config.cache_features is FeatureCaching.ON else 1
+    count = (len(train) - config.seq_len) // stride + 1
+    return (StreamWindows(train, config.seq_len, stride, count),
             StreamWindows(validation, config.seq_len, config.seq_len, config.eval_windows))
 
 
@@ -204,7 +220,9 @@ def training_sets(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: P
 def training_token_counts(data: SequenceSet, vocab_size: int) -> TokenCounts:
     """How often every id occurs where the head is trained: the token stream a corpus's windows
     cover, or the loss-masked tokens of in-memory sequences (the self-distilled responses); any
-    other :class:`SequenceSet` is read row by row."""
+    other :class:`SequenceSet` is read row by row. A wrapper counts the set it wraps
+    (:attr:`SequenceSet.token_source`)."""
+    data = data.token_source
     if isinstance(data, StreamWindows):
         covered = 0 if data.count == 0 else (data.count - 1) * data.stride + data.length
         return token_counts(np.asarray(data.stream.ids[:covered]), vocab_size)

@@ -117,11 +117,18 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
         The export is written whenever the call returns, finished or not, except after a
         signal (``interrupted_by``), when only the checkpoint is.
 
+    Cached features (``config.cache_features``; :mod:`circuits_llm.training.features`): the
+    backbone's features of every training and validation row are computed once into the feature
+    cache (``$CIRCUITS_LLM_FEATURE_CACHE``, else ``features/`` beside the corpus cache; resumed if
+    interrupted, shared by every run on the same model and data), and the steps run only the head
+    and the LoRA layers; ``training.json`` names the files read (``feature_cache``).
+
     Side effects: seeds torch's global RNG with ``config.seed`` (the LoRA initialisation draws
     from it); freezes ``model`` and puts it in eval mode.
 
     Raises:
-        TrainingConfigError: the config, the head or the corpus does not fit.
+        TrainingConfigError: the config, the head or the corpus does not fit; features cannot be
+            cached (:class:`~circuits_llm.training.feature_store.FeatureCacheError`).
         RunDirectoryBusy: another live process holds ``run_dir`` (the message names it).
         CheckpointError: the run directory holds a corrupt checkpoint, or one written with
             another config or model; nothing in ``run_dir`` is changed.
@@ -147,7 +154,7 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
         raise TrainingConfigError(f"run_dir {run_dir} exists and is not a directory")
     context = distributed_context(model.device, config.batch_size)
     try:
-        trainer = Trainer(model, config, run_dir, context, progress)
+        trainer = Trainer(model, config, run_dir, context, progress, _notify)
         with StopSignals(handle_signals, _COMMAND) as signals:
             try:
                 with _locked(run_dir, context):
@@ -155,6 +162,7 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
                     train, validation = training_sets(model, config, run_dir,
                                                       writer=context.is_writer, root=corpus_root,
                                                       progress=trainer.progress)
+                    train, validation = trainer.cached_features(train, validation)
                     trainer.build_head(train)  # its draft vocabulary: the data's frequent tokens
                     trainer.restore(found)
                     with signals.deferred():

@@ -10,12 +10,22 @@ against, instead of the corpus's. :func:`self_distilled_rows` produces
   ``eval_windows`` non-overlapping ``seq_len`` windows of the validation split, continued the same
   way.
 
-Sampling is at ``distill_temperature`` (0: greedy), from the law the decoders sample
-(:func:`circuits_llm.decoding.warping.target_probs`), with no EOS stop, so every row has ``seq_len`` tokens.
-Row ``i`` (training rows first, then validation rows) draws from its own generator seeded with
-``seed + i``, so a row does not depend on which rows were generated before it or in the same
-batch; rows are generated :data:`BATCH_ROWS` at a time in one batched forward per token (the
-batch composition is fixed, so a resumed generation repeats the same numerics).
+Sampling is at ``distill_temperature`` (0: greedy: a greedy head learns from greedy
+continuations), from the law the decoders sample (:func:`circuits_llm.decoding.warping.target_probs`),
+with no EOS stop, so every row has ``seq_len`` tokens.
+
+Batched: ``distill_batch`` rows (:data:`BATCH_ROWS` by default) are continued together, one
+forward of the whole batch per token on the model's KV cache. Every prompt has exactly
+``distill_prompt_len`` tokens and every row generates ``response_len`` tokens without stopping,
+so the batch needs no padding: the positions and the causal mask of a row are those of a row
+generated alone, and a greedy row is the one-at-a-time continuation (in exact arithmetic; a
+float64 model gives identical tokens). The law is the same too: row ``i`` (training rows first,
+then validation rows) draws from its own generator seeded with ``seed + i`` (one
+``torch.multinomial`` per row and token, from the batch's warped probabilities), so a row does not
+depend on which rows were generated before it or in the same batch, and equals the row
+:class:`~circuits_llm.decoding.decoder.AutoregressiveDecoder` samples with that generator. The
+batch size is part of the cache key (it can change the last bits of the logits), so a resumed
+generation repeats the same numerics.
 
 Resumable: each batch is written, whole or not at all, to ``run_dir/self_distilled.parts/`` as a
 verified checkpoint keyed by everything that determines the rows (the settings, the model's
@@ -28,6 +38,7 @@ part made with other settings is an error naming it (it is never overwritten).
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +48,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from circuits_llm.decoding.warping import SamplingConfig, sample_token, target_probs
+from circuits_llm.decoding.warping import SamplingConfig, target_probs
 from circuits_llm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from circuits_llm.text.corpus import TokenStream
 from circuits_llm.text.models import backbone_identity
@@ -48,7 +59,7 @@ DISTILL_KIND = "circuits_llm.self_distilled"
 DISTILL_PART_KIND = "circuits_llm.self_distilled_part"
 DISTILL_FILE = "self_distilled.pt"
 PARTS_DIR = "self_distilled.parts"
-#: Rows generated together (one batched forward per token); part of the cache key.
+#: Rows generated together by default (one batched forward per token); part of the cache key.
 BATCH_ROWS = 16
 
 
@@ -63,7 +74,8 @@ class DistillPlan:
         response_len: tokens generated per row.
         temperature: the sampling temperature (0: greedy).
         seed: row ``i`` samples with a generator seeded ``seed + i``.
-        key: what produced the rows (settings, model, tokenizer, corpus).
+        key: what produced the rows (settings, model, tokenizer, corpus, batch size).
+        batch_rows: rows generated together (``distill_batch``).
     """
 
     prompts: Tensor
@@ -72,6 +84,7 @@ class DistillPlan:
     temperature: float
     seed: int
     key: dict[str, Any]
+    batch_rows: int = BATCH_ROWS
 
     @property
     def rows(self) -> int:
@@ -79,7 +92,12 @@ class DistillPlan:
 
     @property
     def batches(self) -> int:
-        return -(-self.rows // BATCH_ROWS)
+        return -(-self.rows // self.batch_rows)
+
+    def batch(self, index: int) -> range:
+        """The rows of batch ``index``."""
+        first = index * self.batch_rows
+        return range(first, min(first + self.batch_rows, self.rows))
 
 
 def plan(model: PreTrainedModel, tokenizer: TextTokenizer, config: HeadTrainingConfig,
@@ -100,18 +118,23 @@ def plan(model: PreTrainedModel, tokenizer: TextTokenizer, config: HeadTrainingC
              "eval_windows", "max_train_bytes")
     key = {**{name: getattr(config, name) for name in names}, "model": backbone_identity(model),
            "tokenizer": tokenizer.fingerprint, "corpus": [train.path.stem, validation.path.stem],
-           "batch_rows": BATCH_ROWS}
+           "batch_rows": config.distill_batch}
     return DistillPlan(prompts, config.distill_samples, config.response_len,
-                       float(config.distill_temperature), config.seed, key)
+                       float(config.distill_temperature), config.seed, key, config.distill_batch)
 
 
 @torch.no_grad()
 def continue_rows(model: PreTrainedModel, prompts: Tensor, response_len: int, temperature: float,
                   generators: list[torch.Generator]) -> Tensor:
-    """(b, P) prompts -> (b, P + R) prompts followed by ``R = response_len`` sampled tokens.
+    """(b, P) prompts -> (b, P + R) prompts followed by ``R = response_len`` generated tokens.
 
-    One forward over the prompts, then one per token with the model's KV cache; row ``i`` draws
-    its tokens from ``generators[i]`` (on the model's device) at ``temperature``.
+    One forward over the prompts, then one per token with the model's KV cache, every row at
+    once (equal lengths: no padding). Greedy (``temperature == 0``): every row's first argmax.
+    Sampling: the batch's warped probabilities in one call, then row ``i`` draws its token from
+    ``generators[i]`` (on the model's device), exactly as a one-row decoder draws it.
+
+    Raises:
+        InvalidDistributionError: the model's logits are NaN or infinite.
     """
     device = model.device
     config = SamplingConfig(temperature)
@@ -120,9 +143,12 @@ def continue_rows(model: PreTrainedModel, prompts: Tensor, response_len: int, te
     past, logits = out.past_key_values, out.logits[:, -1]
     generated = []
     for step in range(response_len):
-        chosen = [sample_token(target_probs(logits[i], config, "the model's logits"), config.greedy,
-                               generators[i]) for i in range(tokens.shape[0])]
-        column = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
+        probs = target_probs(logits, config, "the model's logits")
+        if config.greedy:
+            column = probs.argmax(dim=-1, keepdim=True)
+        else:
+            column = torch.cat([torch.multinomial(probs[i], 1, generator=generators[i])
+                                for i in range(tokens.shape[0])])[:, None]
         generated.append(column)
         if step + 1 < response_len:
             out = model(input_ids=column, past_key_values=past, use_cache=True)
@@ -146,7 +172,7 @@ def _load_part(path: Path, plan_: DistillPlan, index: int) -> Tensor | None:
     if part.get("key") != plan_.key or part.get("index") != index:
         raise _mismatch(path, part.get("key"), plan_.key)
     rows = part["rows"]
-    count = min(BATCH_ROWS, plan_.rows - index * BATCH_ROWS)
+    count = len(plan_.batch(index))
     if tuple(rows.shape) != (count, plan_.prompts.shape[1] + plan_.response_len):
         raise CheckpointError(f"{path} holds rows of the wrong shape; the file is corrupt: delete it")
     return rows
@@ -164,25 +190,26 @@ def generate_rows(model: PreTrainedModel, plan_: DistillPlan, run_dir: Path | No
     parts: list[Tensor | None] = [None] * plan_.batches
     if run_dir is not None:
         parts = [_load_part(_part_path(run_dir, k), plan_, k) for k in range(plan_.batches)]
-    done = sum(min(BATCH_ROWS, plan_.rows - k * BATCH_ROWS) for k, p in enumerate(parts)
-               if p is not None)
+    done = sum(len(plan_.batch(k)) for k, p in enumerate(parts) if p is not None)
     bar = tqdm(total=plan_.rows, initial=done, desc="self-distil", unit="seq",
                disable=not progress, dynamic_ncols=True)
+    started, generated = time.perf_counter(), 0
     with bar:
         for k in range(plan_.batches):
             if parts[k] is not None:
                 continue
-            first = k * BATCH_ROWS
-            last = min(first + BATCH_ROWS, plan_.rows)
+            rows_k = plan_.batch(k)
             generators = [torch.Generator(device=model.device).manual_seed(plan_.seed + i)
-                          for i in range(first, last)]
-            rows = continue_rows(model, plan_.prompts[first:last], plan_.response_len,
-                                 plan_.temperature, generators)
+                          for i in rows_k]
+            rows = continue_rows(model, plan_.prompts[rows_k.start:rows_k.stop],
+                                 plan_.response_len, plan_.temperature, generators)
             if run_dir is not None:
                 save_checkpoint(_part_path(run_dir, k), DISTILL_PART_KIND,
                                 {"key": plan_.key, "index": k, "rows": rows})
             parts[k] = rows
-            bar.update(last - first)
+            generated += len(rows_k) * plan_.response_len
+            bar.set_postfix(tokens_s=f"{generated / (time.perf_counter() - started):,.0f}")
+            bar.update(len(rows_k))
             if on_batch is not None:
                 on_batch(k)
     return torch.cat([p for p in parts if p is not None])

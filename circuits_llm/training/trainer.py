@@ -2,7 +2,9 @@
 
 One step (MTPC paper Sec. 4.1): draw ``batch_size`` sequences, run the frozen backbone
 (``HFBackbone.hidden_states``: (B, L, d) draft hidden states, through the LoRA branch when
-``lora_layers > 0``), evaluate :func:`circuits_llm.training.loss.mtp_loss` (every position starts a
+``lora_layers > 0``) or read their cached features and run only the ``k`` LoRA layers
+(:meth:`Trainer.cached_features`, :mod:`circuits_llm.training.features`), evaluate
+:func:`circuits_llm.training.loss.mtp_loss` (every position starts a
 window, slot ``j`` weighted ``gamma^(j-1)``, per valid token normalisation), and take one AdamW
 step on the head's and the LoRA parameters at a constant learning rate.
 
@@ -29,8 +31,9 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from circuits.errors import InvalidParameterError
-from circuits_llm.backbone import HFBackbone
+from circuits_llm.backbone import HFBackbone, UnsupportedModelError
+from circuits_llm.backbone._features import BranchArguments
 from circuits_llm.heads import MTPHead
 from circuits_llm.runtime.checkpoint import CheckpointWriteError
 from circuits_llm.text.models import backbone_identity
@@ -49,6 +53,8 @@ from circuits_llm.training.checkpointing import RunCheckpoint
 from circuits_llm.training.config import HeadTrainingConfig
 from circuits_llm.training.datasets import SequenceSet, training_token_counts
 from circuits_llm.training.distributed import DistributedContext
+from circuits_llm.training.feature_store import FeatureCacheError
+from circuits_llm.training.features import FeatureRows, cached_feature_sets
 from circuits_llm.training.guards import (
     NonFiniteTrainingError,
     gradient_norm,
@@ -67,39 +73,64 @@ __all__ = ["DraftModel", "NonFiniteTrainingError", "Trainer"]
 class DraftModel(nn.Module):
     """The trainable part of the draft model: the head and the LoRA draft layers.
 
-    ``forward(tokens (B, L), mask (B, L) or None) -> (loss, nll_sum (n,), count (n,))``. The
-    frozen LM is reached through the backbone but not registered as a sub-module, so DDP only
-    sees (and synchronises) the head and the draft layers.
+    ``forward(tokens (B, L), mask (B, L) or None, features (B, L, d) or None) -> (loss,
+    nll_sum (n,), count (n,))``. The frozen LM is reached through the backbone but not registered
+    as a sub-module, so DDP only sees (and synchronises) the head and the draft layers. With
+    ``features`` (cached: :mod:`circuits_llm.training.features`) the backbone does not run: they
+    are the draft hidden states (``lora_layers = 0``) or the draft branch's inputs, which only the
+    ``k`` draft layers turn into draft hidden states (``branch``).
     """
 
-    def __init__(self, backbone: HFBackbone, head: MTPHead, gamma: float, bf16: bool) -> None:
+    def __init__(self, backbone: HFBackbone, head: MTPHead, gamma: float, bf16: bool,
+                 branch: BranchArguments | None = None) -> None:
         super().__init__()
         self.head = head
         self.draft_layers = backbone.draft_layers
         self._backbone = (backbone,)
         self.gamma = gamma
         self.bf16 = bf16
+        self.branch = branch
 
-    def hidden(self, tokens: Tensor) -> Tensor:
-        """(B, L) tokens -> (B, L, d) float32 draft hidden states."""
+    def hidden(self, tokens: Tensor, features: Tensor | None = None) -> Tensor:
+        """(B, L) tokens, or their cached (B, L, d) features -> (B, L, d) float32 draft hidden
+        states."""
         backbone = self._backbone[0]
         with torch.autocast(device_type=backbone.device.type, dtype=torch.bfloat16,
                             enabled=self.bf16):
-            _, hidden = backbone.hidden_states(tokens)
+            if features is None:
+                _, hidden = backbone.hidden_states(tokens)
+            elif backbone.lora_layers == 0:
+                hidden = features
+            else:
+                if self.branch is None:
+                    raise ValueError("cached branch inputs need the draft branch's arguments "
+                                     "(DraftModel.branch)")
+                dtype = next(backbone.model.parameters()).dtype
+                hidden = self.branch.run(backbone, features.to(backbone.device, dtype))
         return hidden.float()
 
-    def forward(self, tokens: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        out = mtp_loss(self.head, self.hidden(tokens), tokens, mask, self.gamma)
+    def forward(self, tokens: Tensor, mask: Tensor | None,
+                features: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        out = mtp_loss(self.head, self.hidden(tokens, features), tokens, mask, self.gamma)
         return out.loss, out.nll_sum, out.count
+
+
+def _features(data: SequenceSet, index: Tensor, device: torch.device) -> Tensor | None:
+    """The cached (b, L, d) features of rows ``index`` on ``device`` (None: not cached)."""
+    return data.features(index).to(device) if isinstance(data, FeatureRows) else None
 
 
 class Trainer:
     """The state of one run in one process (see :func:`train_head`)."""
 
     def __init__(self, model: PreTrainedModel, config: HeadTrainingConfig, run_dir: Path,
-                 context: DistributedContext, progress: bool) -> None:
+                 context: DistributedContext, progress: bool,
+                 notify: Callable[[str], None] | None = None) -> None:
         self.model, self.config, self.run_dir, self.context = model, config, run_dir, context
         self.progress = progress and context.is_writer
+        self.notify = notify or (lambda message: print(message, file=sys.stderr, flush=True))
+        #: the feature cache files the run reads (empty: every step runs the backbone)
+        self.feature_entries: list[Path] = []
         torch.manual_seed(config.seed)  # the LoRA initialisation draws from the global RNG
         self.backbone = build_backbone(model, config)
         self.plan = plan_head(config, self.backbone)  # sized and checked; built with the data
@@ -123,16 +154,35 @@ class Trainer:
         self.parameters: list[nn.Parameter]
         self.optimizer: torch.optim.AdamW
 
+    def cached_features(self, train: SequenceSet, validation: SequenceSet,
+                        ) -> tuple[SequenceSet, SequenceSet]:
+        """The sets with their cached backbone features when the run caches them
+        (:func:`~circuits_llm.training.features.cached_feature_sets`), else unchanged.
+
+        Raises:
+            FeatureCacheError: see :func:`~circuits_llm.training.features.cached_feature_sets`.
+        """
+        try:
+            train, validation = cached_feature_sets(
+                self.backbone, self.config, train, validation, context=self.context,
+                progress=self.progress, notify=self.notify)
+        except UnsupportedModelError as error:
+            raise FeatureCacheError(f"cannot cache this model's features: {error}") from None
+        self.feature_entries = [data.entry.path for data in (train, validation)
+                                if isinstance(data, FeatureRows)]
+        return train, validation
+
     def build_head(self, train: SequenceSet) -> None:
         """Build the planned head (its draft vocabulary from ``train``'s token counts), the
-        draft model and the optimiser."""
+        draft model (reading ``train``'s cached features, if any) and the optimiser."""
         counts = None
         if self.plan.size.draft_vocab is not None:
             counts = training_token_counts(train, self.backbone.vocab_size)
         self.head = build_head(self.plan, self.backbone, counts)
         if counts is not None and self.head.draft_tokens is not None:
             self.draft_coverage = counts.coverage(self.head.draft_tokens)
-        self.draft = DraftModel(self.backbone, self.head, self.gamma, self.config.bf16)
+        branch = train.branch if isinstance(train, FeatureRows) else None
+        self.draft = DraftModel(self.backbone, self.head, self.gamma, self.config.bf16, branch)
         self.parameters = [p for p in self.head.parameters() if p.requires_grad] + \
             self.backbone.draft_parameters()
         self.optimizer = torch.optim.AdamW(self.parameters, lr=self.config.learning_rate,
@@ -195,8 +245,10 @@ class Trainer:
             tokens, mask = data.rows(chunk)
             mask = None if mask is None else mask.to(self.device)
             tokens = tokens.to(self.device)
+            features = _features(data, chunk, self.device)
             with self.valid_outputs(self.step):
-                out = mtp_loss(self.head, self.draft.hidden(tokens), tokens, mask, self.gamma)
+                out = mtp_loss(self.head, self.draft.hidden(tokens, features), tokens, mask,
+                               self.gamma)
             sums += out.nll_sum.double().cpu()
             counts += out.count.double().cpu()
         sums, counts = self.context.all_sum(sums), self.context.all_sum(counts)
@@ -232,12 +284,14 @@ class Trainer:
         """
         config = self.config
         rows = torch.randint(0, len(data), (config.batch_size,), generator=self.generator)
-        tokens, mask = data.rows(self.context.shard(rows))
+        mine = self.context.shard(rows)
+        tokens, mask = data.rows(mine)
         mask = None if mask is None else mask.to(self.device)
+        features = _features(data, mine, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         self.memory.start()
         with self.valid_outputs(self.step + 1):
-            loss, _, _ = module(tokens.to(self.device), mask)
+            loss, _, _ = module(tokens.to(self.device), mask, features)
         loss.backward()
         if config.grad_clip is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.grad_clip))
@@ -354,6 +408,7 @@ class Trainer:
                 "draft_vocab_coverage": self.draft_coverage,
                 "peak_step_memory": self.peak_memory(),
                 "lora_parameters": sum(p.numel() for p in self.backbone.draft_parameters()),
+                "feature_cache": [str(path) for path in self.feature_entries],
                 "validation": latest.to_dict(), "initial_validation": self.initial.to_dict(),
                 "history": self.history}
 
