@@ -251,20 +251,20 @@ def test_a_fall_back_is_per_variant() -> None:
 
 
 # ---------------------------------------------------------------------- the benchmark records them
-def test_the_decoder_benchmark_records_compile_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_decoder_benchmark_records_compile_fallbacks() -> None:
     import torch._inductor.config as inductor_config
 
     from benchmarks.decoder_bench import BenchConfig, format_tables, run_benchmark
 
-    # run_benchmark switches on kernel profiling for code compiled later: undone after the test
-    monkeypatch.setattr(inductor_config.cpp, "enable_kernel_profile",
-                        inductor_config.cpp.enable_kernel_profile)
     tiny = BenchConfig(hidden_size=16, layers=2, attention_heads=2, intermediate_size=32,
                        architectures=("ff",), windows=(4,), rank=2, variants=("lean",),
                        prompt_tokens=12, new_tokens=5, repeats=1, timing_rounds=1, threads=1,
                        kernels="torch", compiled_windows=(4,), compiled_variants=("lean",))
     compiler = RefusingCompiler("draft program")
-    with warnings.catch_warnings():
+    # run_benchmark switches on kernel profiling for code compiled later: undone after the test
+    # (through the config's own patch: monkeypatch's undo deletes a SubConfigProxy's setting)
+    profiling = {"cpp.enable_kernel_profile": inductor_config.cpp.enable_kernel_profile}
+    with warnings.catch_warnings(), inductor_config.patch(profiling):
         warnings.simplefilter("ignore", CompileFallbackWarning)
         with use_compiler(compiler):
             result = run_benchmark(tiny, log=lambda _line: None)
