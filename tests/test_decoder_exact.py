@@ -12,11 +12,10 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import pytest
 import torch
-from toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
+from toy import ToyHead, ToyLM, decoder_law, law_p_value, target_law, total_variation
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -75,16 +74,6 @@ def test_exact_law_other_windows_and_prompts(architecture: str, rank: int, windo
     assert total_variation(decoder_law(lm, head, prompt, length, config), target) <= EXACT_TV
 
 
-def _chi_square_p_value(samples: list[tuple[int, ...]], law: dict[tuple[int, ...], float]) -> float:
-    counts = Counter(samples)
-    assert set(counts) <= set(law), "the decoder emitted a sequence the target forbids"
-    n = len(samples)
-    statistic = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in law.items())
-    dof = len(law) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
-
-
 def test_sampled_generate_matches_exact_law_and_rejects_biased_variant() -> None:
     # a toy whose drafts are peaky and often wrong: the paper variant's bias is large here
     # (TV 0.146 on the first two tokens) while every target cell has probability >= 0.075
@@ -98,7 +87,7 @@ def test_sampled_generate_matches_exact_law_and_rejects_biased_variant() -> None
         generator = torch.Generator().manual_seed(1234)
         samples = [tuple(decoder.generate(prompt, length, temperature=1.0, generator=generator)
                          .tokens.tolist()) for _ in range(400)]
-        p_values[policy] = _chi_square_p_value(samples, law)
+        p_values[policy] = law_p_value(samples, law)
     assert p_values[CorrectionPolicy.EXACT] > 1e-3
     assert p_values[CorrectionPolicy.DROP_AFTER_ACCEPT] < 1e-4
 

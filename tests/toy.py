@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -270,3 +270,14 @@ def total_variation(first: Law, second: Law) -> float:
     """``0.5 * sum |first - second|`` over the union of outcomes."""
     keys = set(first) | set(second)
     return 0.5 * sum(abs(first.get(k, 0.0) - second.get(k, 0.0)) for k in keys)
+
+
+def law_p_value(samples: Sequence[tuple[int, ...]], law: Law) -> float:
+    """Pearson chi-square p-value of ``samples`` (decoded sequences) against an enumerated ``law``
+    (every cell's expected count should be >= 5); a sequence outside the law's support fails."""
+    counts = Counter(samples)
+    assert set(counts) <= set(law), "the decoder emitted a sequence the target forbids"
+    n = len(samples)
+    statistic = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in law.items())
+    return float(torch.special.gammaincc(torch.tensor((len(law) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
