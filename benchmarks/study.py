@@ -45,6 +45,7 @@ from circuits_llm.app import report as rep
 from circuits_llm.app.compare import compare_decoders
 from circuits_llm.app.head_cache import ReadyHead, obtain_head
 from circuits_llm.app.report import DecodeMode, DecoderRow
+from circuits_llm.app.rows import format_optional
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, describe_device, resolve_device
 from circuits_llm.runtime.timing import machine_info
 from circuits_llm.text.byte_level import evaluation_prompts
@@ -182,8 +183,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
                     f"{row.decoder} | {params} | {head.get('steps', '-')} | "
                     f"{'-' if bits is None else format(bits, '.2f')} | "
                     f"{row.mean_latency_s * 1e3:.2f} | {row.tokens_per_round:.2f} | "
-                    f"{row.throughput:.1f} | {rep._fmt(row.speedup_vs_ar, '.2f')} | "
-                    f"{rep._fmt(row.speedup_vs_ff, '.2f')} |")
+                    f"{row.throughput:.1f} | {format_optional(row.speedup_vs_ar, '.2f')} | "
+                    f"{format_optional(row.speedup_vs_ff, '.2f')} |")
     return "\n".join(lines)
 
 

@@ -52,7 +52,6 @@ from circuits_llm.app.rows import (
     TokenUnit,
     check_fields,
     check_row,
-    format_optional,
     format_table,
     with_speedups,
 )
@@ -70,8 +69,6 @@ __all__ = [
 SCHEMA_VERSION = 2
 REPORT_KIND = "circuits_llm.decoder_comparison"
 
-#: ``benchmarks/study.py``'s name for :func:`~circuits_llm.app.rows.format_optional`.
-_fmt = format_optional
 
 _REPORT_TYPES: dict[str, tuple[type, ...]] = {
     "schema_version": (int,), "kind": (str,), "created": (str,), "command": (str,),
