@@ -1,0 +1,142 @@
+"""What a constrained generation must produce: a regular expression or a JSON schema.
+
+Both are frozen, hashable values (a JSON schema is kept as its canonical JSON text), so they key
+the in-process cache of built automata (:mod:`circuits_llm.constraints.automaton`). Each one turns
+itself into the regular expression ``outlines-core`` compiles (:meth:`Regex.regex`,
+:meth:`JsonSchema.regex`); the regex dialect is Rust's ``regex`` crate (no look-around, no
+back-references), matched against the UTF-8 text of the whole generation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+#: The recursion depth ``outlines-core`` unrolls recursive JSON schemas to (its own default).
+DEFAULT_MAX_RECURSION_DEPTH = 3
+
+
+class ConstraintError(ValueError):
+    """A constraint that is malformed, cannot be completed with a tokenizer, or a token it forbids.
+
+    The message says what was wrong and what to do about it.
+    """
+
+
+def _check_optional_pattern(value: object, name: str) -> None:
+    """Raise :class:`ConstraintError` unless ``value`` is None or a non-empty string."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConstraintError(f"{name} must be a non-empty regular expression string or None, "
+                              f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class Regex:
+    """Generations whose whole text fully matches ``pattern`` (Rust ``regex`` syntax).
+
+    Attributes:
+        pattern: the regular expression, anchored at both ends by construction (the automaton
+            accepts a generation only when all of its text matches).
+    """
+
+    pattern: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str):
+            raise ConstraintError(f"Regex pattern must be a str, got {type(self.pattern).__name__}; "
+                                  "pass the regular expression as text, e.g. Regex(r'[0-9]+')")
+        if not self.pattern:
+            raise ConstraintError("Regex pattern is empty: it would only allow the empty generation; "
+                                  "pass a pattern that describes the text to generate")
+
+    def regex(self) -> str:
+        """The regular expression ``outlines-core`` compiles: the pattern itself."""
+        return self.pattern
+
+    def describe(self) -> str:
+        """A one-line description for logs and error messages."""
+        return f"regex {_shorten(self.pattern)!r}"
+
+
+@dataclass(frozen=True, init=False)
+class JsonSchema:
+    """Generations that are JSON documents valid under ``schema`` (as ``outlines-core`` reads it).
+
+    Attributes:
+        schema: the schema, given as JSON text or as a mapping; stored as compact JSON text
+            (``json.dumps(..., separators=(",", ":"))``) so that equal schemas are equal
+            constraints whatever their whitespace. Keys are *not* sorted: ``outlines-core``
+            emits an object's properties in the order the schema lists them, so the order is
+            part of the constraint.
+        whitespace_pattern: the regex of the whitespace allowed between JSON tokens (None:
+            ``outlines-core``'s default, at most one space), e.g. ``r"[ \\n]{0,2}"``.
+        max_recursion_depth: how deep recursive schemas (``$ref`` cycles) are unrolled.
+    """
+
+    schema: str
+    whitespace_pattern: str | None = None
+    max_recursion_depth: int = DEFAULT_MAX_RECURSION_DEPTH
+
+    def __init__(self, schema: str | Mapping[str, Any], whitespace_pattern: str | None = None,
+                 max_recursion_depth: int = DEFAULT_MAX_RECURSION_DEPTH) -> None:
+        object.__setattr__(self, "schema", _canonical_schema(schema))
+        _check_optional_pattern(whitespace_pattern, "JsonSchema whitespace_pattern")
+        object.__setattr__(self, "whitespace_pattern", whitespace_pattern)
+        if isinstance(max_recursion_depth, bool) or not isinstance(max_recursion_depth, int) \
+                or max_recursion_depth < 0:
+            raise ConstraintError(f"JsonSchema max_recursion_depth must be an int >= 0, "
+                                  f"got {max_recursion_depth!r}")
+        object.__setattr__(self, "max_recursion_depth", max_recursion_depth)
+
+    def regex(self) -> str:
+        """The regular expression of the schema's documents (``outlines-core``'s translation).
+
+        Raises:
+            ConstraintError: the schema uses something ``outlines-core`` does not support.
+        """
+        from outlines_core.json_schema import build_regex_from_schema
+        try:
+            return build_regex_from_schema(self.schema, self.whitespace_pattern, self.max_recursion_depth)
+        except ValueError as error:
+            raise ConstraintError(
+                f"JSON schema {_shorten(self.schema)} cannot be turned into a regular expression: "
+                f"{error}. Use the JSON Schema features outlines-core supports (type, properties, "
+                "required, enum, const, items, anyOf/oneOf/allOf, $ref to #/$defs, string formats)"
+            ) from error
+
+    def describe(self) -> str:
+        """A one-line description for logs and error messages."""
+        return f"JSON schema {_shorten(self.schema)}"
+
+
+#: A constraint on the text of a generation.
+Constraint: TypeAlias = Regex | JsonSchema
+
+
+def _canonical_schema(schema: object) -> str:
+    """``schema`` (JSON text or a mapping) as compact JSON text of a JSON object, keys in order."""
+    if isinstance(schema, str):
+        try:
+            value = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise ConstraintError(f"JsonSchema text is not valid JSON ({error}): pass the schema as "
+                                  "a JSON object text or as a dict") from error
+    elif isinstance(schema, Mapping):
+        value = dict(schema)
+    else:
+        raise ConstraintError(f"JsonSchema takes a JSON string or a mapping, got {type(schema).__name__}")
+    if not isinstance(value, dict):
+        raise ConstraintError(f"A JSON schema must be a JSON object, got {type(value).__name__} "
+                              f"{_shorten(json.dumps(value))}; wrap it, e.g. {{\"type\": \"string\"}}")
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise ConstraintError(f"JsonSchema mapping is not JSON-serialisable ({error}): use only "
+                              "dicts, lists, strings, numbers, booleans and None") from error
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters (with an ellipsis) for messages."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
