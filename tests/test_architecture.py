@@ -24,7 +24,7 @@ FLOORS = {
     "circuits_llm.protocols": 1, "circuits_llm.heads": 1, "circuits_llm.runtime": 1,
     "circuits_llm.embedded": 1, "circuits_llm._moved": 1,
     "circuits_llm.text": 2,
-    "circuits_llm.backbone": 3,
+    "circuits_llm.backbone": 3, "circuits_llm.constraints": 3,
     "circuits_llm.decoding": 4,
     "circuits_llm.training": 5,
     "circuits_llm.app": 6,

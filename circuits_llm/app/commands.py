@@ -68,6 +68,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "bad input" (reported in one line) rather than a bug."""
     from circuits.errors import CircuitError
     from circuits_llm.app.report import ReportError
+    from circuits_llm.constraints import ConstraintError
     from circuits_llm.decoding.warping import DecoderError
     from circuits_llm.heads import HeadConfigError
     from circuits_llm.runtime.checkpoint import CheckpointError
@@ -75,7 +76,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from circuits_llm.text.tokens import TokenizerError
     errors: list[type[BaseException]] = [DemoError, ModelLoadError, DecoderError, HeadConfigError,
                                          ReportError, CircuitError, CheckpointError, DeviceError,
-                                         TokenizerError, CorpusError]
+                                         TokenizerError, CorpusError, ConstraintError]
     try:
         from circuits_llm import training
         errors += [value for value in vars(training).values()
@@ -190,6 +191,22 @@ def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False) -> 
     return SpeculativeDecoder(backbone, mtp_head.eval(), compile=compile), f"speculative ({run_dir})"
 
 
+def _constraint(args: argparse.Namespace) -> Any:
+    """The ``--regex`` / ``--json-schema FILE`` constraint of ``generate``, or None."""
+    from circuits_llm.constraints import ConstraintError, JsonSchema, Regex
+    if args.regex is not None:
+        return Regex(args.regex)
+    if args.json_schema is None:
+        return None
+    path = Path(args.json_schema)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConstraintError(f"cannot read the JSON schema file {path}: "
+                              f"{error.strerror or error}") from None
+    return JsonSchema(text)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from circuits_llm.decoding.stopping import StopCondition, unescape_stop
     device = resolve_device(args.device)
@@ -200,11 +217,12 @@ def _generate(args: argparse.Namespace) -> int:
                                    [unescape_stop(s) for s in args.stop], tokenizer)
     decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
                                         args.compile)
+    constraint = _constraint(args)
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
     result = decoder.generate(torch.tensor(prompt), stop.max_new_tokens, args.temperature,
                               args.top_k, args.top_p, generator=generator,
-                              stop=stop)
+                              stop=stop, constraint=constraint, tokenizer=tokenizer.tokenizer)
     wall = time.perf_counter() - start
     tokens = result.tokens.tolist()
     text = tokenizer.decode(tokens)
@@ -249,4 +267,10 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     gen.add_argument("--compile", action="store_true",
                      help="static KV cache, compiled forwards and a compiled round (torch.compile)")
+    constrained = gen.add_mutually_exclusive_group()
+    constrained.add_argument("--regex", default=None, metavar="PATTERN",
+                             help="generate only text that matches PATTERN (the model's law "
+                                  "masked by it; drafts satisfy it by construction)")
+    constrained.add_argument("--json-schema", default=None, metavar="FILE",
+                             help="generate only JSON that validates against the schema in FILE")
     gen.set_defaults(run=_guarded("generate", _generate))

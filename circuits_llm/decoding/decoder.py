@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,6 +54,12 @@ from circuits.compiled.circuit import LogParameters
 from circuits.errors import InvalidInputError
 from circuits_llm.decoding.acceptance import CorrectionPolicy, Transition, transition
 from circuits_llm.decoding.backbones import as_backbone, hf_model_under
+from circuits_llm.decoding.constrained import (
+    ConstrainedDrafting,
+    ConstraintTracker,
+    ProductDrafter,
+    resolve_constraint,
+)
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.exclusive import exclusive
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats, summarize
@@ -68,8 +75,8 @@ from circuits_llm.protocols import (
 from circuits_llm.runtime.compiling import Compiler, current_compiler
 
 __all__ = [
-    "AutoregressiveDecoder", "CorrectionPolicy", "DecodeResult", "DecoderError", "DraftLength",
-    "SpeculativeDecoder",
+    "AutoregressiveDecoder", "ConstrainedDrafting", "CorrectionPolicy", "DecodeResult",
+    "DecoderError", "DraftLength", "SpeculativeDecoder",
 ]
 
 
@@ -185,15 +192,21 @@ class AutoregressiveDecoder:
 
     # ------------------------------------------------------------------ rounds
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
-               generator: torch.Generator | None) -> tuple[Transition, BackboneStep, RoundStats]:
+               generator: torch.Generator | None, tracker: ConstraintTracker | None = None
+               ) -> tuple[Transition, BackboneStep, RoundStats]:
         start = _now(self.device)
         step = self.backbone.extend(torch.tensor([[c]], device=self.device))
-        p = target_probs(step.verifier_logits[0, -1], config, VERIFIER_LOGITS)
+        logits = step.verifier_logits[0, -1:]
+        spent = 0.0 if tracker is None else tracker.seconds
+        if tracker is not None:
+            logits = tracker.masked(logits, [])
+        p = target_probs(logits[0], config, VERIFIER_LOGITS)
         verified = _now(self.device)
         token = sample_token(p, config.greedy, generator)
         end = _now(self.device)
         stats = RoundStats(RoundKind.AUTOREGRESSIVE, 0, 0, 1, verify_s=verified - start,
-                           accept_s=end - verified, total_s=end - start)
+                           accept_s=end - verified, total_s=end - start,
+                           constraint_s=0.0 if tracker is None else tracker.seconds - spent)
         return Transition((token,), token, 1), step, stats
 
     @torch.no_grad()
@@ -201,7 +214,8 @@ class AutoregressiveDecoder:
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
-                 stop: StopCondition | None = None) -> DecodeResult:
+                 stop: StopCondition | None = None, constraint: object | None = None,
+                 tokenizer: Any = None) -> DecodeResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
 
         Args:
@@ -218,6 +232,14 @@ class AutoregressiveDecoder:
                 where ``generate`` ends (:class:`~circuits_llm.decoding.stopping.StopCondition`; its own
                 ``max_new_tokens`` and EOS ids are added to the arguments' limits). A ``stop``
                 replaces the default EOS ids: only its own and ``eos_token_id``'s count.
+            constraint: a :class:`~circuits_llm.constraints.Regex`,
+                :class:`~circuits_llm.constraints.JsonSchema` or built
+                :class:`~circuits_llm.constraints.TokenAutomaton`: the output law becomes the
+                model's masked by the constraint's automaton and renormalised, as outlines and
+                xgrammar define it (the mask is applied before warping; the prompt is not read;
+                decoding also stops at the automaton's EOS). See
+                :mod:`~circuits_llm.decoding.constrained`.
+            tokenizer: the model's tokenizer, to build a Regex or JsonSchema constraint.
 
         Returns:
             :class:`DecodeResult`; ``tokens`` (T,) holds the new tokens only.
@@ -248,11 +270,21 @@ class AutoregressiveDecoder:
                 f"the backbone's cache holds {capacity} tokens but this call may need {needed} "
                 f"(prompt {len(prompt)} + max_new_tokens {max_new_tokens} + {self.lookahead} "
                 "drafted ahead): build the backbone with a larger max_cache_len, or generate less")
+        tracker = None
+        if constraint is not None:
+            tracker = ConstraintTracker(resolve_constraint(
+                constraint, tokenizer, self.backbone.vocab_size,
+                tuple(sorted(eos)) or self.default_eos_token_ids()))
+            condition = StopCondition(condition.max_new_tokens,
+                                      tuple(sorted({*condition.eos_token_ids,
+                                                    tracker.eos_token_id})),
+                                      condition.stop_strings, criteria=condition.criteria)
         with exclusive(decoder=self, backbone=self.backbone):
-            return self._decode(prompt, condition, config, generator)
+            return self._decode(prompt, condition, config, generator, tracker)
 
     def _decode(self, prompt: list[int], stop: StopCondition, config: SamplingConfig,
-                generator: torch.Generator | None) -> DecodeResult:
+                generator: torch.Generator | None,
+                tracker: ConstraintTracker | None = None) -> DecodeResult:
         """The body of :meth:`generate` on checked arguments (run under :func:`exclusive`)."""
         backbone = self.backbone
         backbone.reset()
@@ -268,7 +300,9 @@ class AutoregressiveDecoder:
         keep = scanner.keep(output)
         while keep is None:
             base = backbone.length
-            move, step, stats = self._round(c, hidden, config, generator)
+            move, step, stats = self._round(c, hidden, config, generator, tracker)
+            if tracker is not None:
+                tracker.emit(move.emitted)
             backbone.crop(base + move.keep)
             hidden = step.draft_hidden[:, move.keep - 1]
             c = move.next_token
@@ -309,11 +343,17 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             (:func:`~circuits_llm.runtime.compiling.use_compiler`; default ``torch.compile``, CUDA
             graphs on CUDA); a program the compiler refuses runs eager after one
             :class:`~circuits_llm.runtime.compiling.CompileFallbackWarning`.
+        constrained_drafting: how rounds draft under ``generate(constraint=)``
+            (:class:`~circuits_llm.decoding.constrained.ConstrainedDrafting`): ``PRODUCT``
+            (default: the head's circuit times the constraint's automaton, drafts that satisfy it
+            by construction) or ``FREE`` (the head drafts as without a constraint; only the
+            target is masked). Either way the output law is the constrained model's.
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
                  policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False,
-                 draft_length: DraftLength | None = None) -> None:
+                 draft_length: DraftLength | None = None,
+                 constrained_drafting: ConstrainedDrafting = ConstrainedDrafting.PRODUCT) -> None:
         rule = DraftLength.fixed() if draft_length is None else draft_length
         if not isinstance(rule, DraftLength):
             raise DecoderError(f"draft_length must be a circuits_llm.decoding.draft_length."
@@ -344,6 +384,12 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                                f"head's draft vocabulary), got {list(circuit.category_sizes)}")
         if not isinstance(policy, CorrectionPolicy):
             raise DecoderError(f"policy must be a CorrectionPolicy, got {policy!r}")
+        if not isinstance(constrained_drafting, ConstrainedDrafting):
+            raise DecoderError(f"constrained_drafting must be a ConstrainedDrafting, got "
+                               f"{constrained_drafting!r}")
+        self.constrained_drafting = constrained_drafting
+        #: product drafters, one per constraint automaton (built at its first round)
+        self._drafters: dict[int, tuple[object, ProductDrafter]] = {}
         self.head = head
         self.policy = policy
         self.draft_length = rule
@@ -368,20 +414,44 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                 draft_length=self.draft_length)
         return program
 
+    def _drafter(self, tracker: ConstraintTracker) -> ProductDrafter:
+        """The product drafter of the tracker's automaton (built once per automaton)."""
+        key = id(tracker.automaton)
+        entry = self._drafters.get(key)
+        if entry is None or entry[0] is not tracker.automaton:
+            entry = self._drafters[key] = (tracker.automaton,
+                                           ProductDrafter(self.head, tracker.automaton))
+        return entry[1]  # type: ignore[return-value]
+
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
-               generator: torch.Generator | None) -> tuple[Transition, BackboneStep, RoundStats]:
+               generator: torch.Generator | None, tracker: ConstraintTracker | None = None
+               ) -> tuple[Transition, BackboneStep, RoundStats]:
         if hidden is None:  # one-token prompt: nothing to parameterise the head with yet
-            return super()._round(c, hidden, config, generator)
+            return super()._round(c, hidden, config, generator, tracker)
         program, clock = self._program(config), self.device
+        spent, size = 0.0 if tracker is None else tracker.seconds, 0
         t0 = _now(clock)
         uniforms = None if config.greedy else program.draw_uniforms(generator)
-        draft = program.draft(hidden, torch.tensor([c], device=clock), uniforms)
-        length = program.verified(draft)  # L: verify [c, d_1..d_L]
+        if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT:
+            params = _head_parameters(self.head.circuit, self.head(hidden))
+            draws = None if config.greedy else torch.rand(
+                program.window - 1, generator=generator, dtype=torch.float64, device=clock)
+            drafter = self._drafter(tracker)
+            draft, seconds = drafter.draft(params, c, tracker.state, draws)
+            tracker.seconds += seconds
+            size = drafter.last_size
+            length = int(draft.length)  # type: ignore[arg-type]
+        else:
+            draft = program.draft(hidden, torch.tensor([c], device=clock), uniforms)
+            length = program.verified(draft)  # L: verify [c, d_1..d_L]
         t1 = _now(clock)
         block = draft.block if length == program.window - 1 else draft.block[:, :length + 1]
         step = self.backbone.extend(block)
         t2 = _now(clock)
-        outcome = program.outcome(program.accept(step.verifier_logits[0], draft, uniforms))
+        logits = step.verifier_logits[0]
+        if tracker is not None:  # row k: the state after c, d_1..d_k
+            logits = tracker.masked(logits, block[0, 1:].tolist())
+        outcome = program.outcome(program.accept(logits, draft, uniforms))
         t3 = _now(clock)
         self._explain_failure(outcome, hidden, step, config)
         move = transition(self.policy, outcome.draft, outcome.accepted, outcome.token)
@@ -390,7 +460,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         kind, drafted = (RoundKind.SPECULATIVE, len(outcome.draft)) if outcome.possible else \
             (RoundKind.AUTOREGRESSIVE, 0)
         stats = RoundStats(kind, drafted, outcome.accepted, len(move.emitted), draft_s=t1 - t0,
-                           verify_s=t2 - t1, accept_s=t3 - t2, total_s=t3 - t0)
+                           verify_s=t2 - t1, accept_s=t3 - t2, total_s=t3 - t0,
+                           constraint_s=0.0 if tracker is None else tracker.seconds - spent,
+                           product_size=size)
         return move, step, stats
 
     def _explain_failure(self, outcome: RoundOutcome, hidden: Tensor, step: BackboneStep,

@@ -40,6 +40,10 @@ class RoundStats:
         head_s, draft_s, conditionals_s, verify_s, accept_s: seconds spent computing the circuit
             parameters, drafting, computing the draft's exact conditionals, in the backbone
             forward (plus warping), and in the accept/reject/residual step.
+        constraint_s: seconds of constraint work inside the round (``generate(constraint=)``:
+            automaton steps, masks, the product draft; part of the phases above).
+        product_size: entries of the head x constraint product drafted from this round (its
+            lifted matrices over the reachable automaton states; 0 without one).
         total_s: wall seconds of the whole round.
     """
 
@@ -53,6 +57,8 @@ class RoundStats:
     verify_s: float = 0.0
     accept_s: float = 0.0
     total_s: float = 0.0
+    constraint_s: float = 0.0
+    product_size: int = 0
 
 
 @dataclass(frozen=True)

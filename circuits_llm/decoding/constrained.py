@@ -1,0 +1,214 @@
+"""Constrained decoding: the output law is the LM masked by a token automaton, renormalised.
+
+A constraint (:class:`~circuits_llm.constraints.Regex`, :class:`~circuits_llm.constraints.JsonSchema`
+or a built :class:`~circuits_llm.constraints.TokenAutomaton`) defines, after any output prefix, the
+set of allowed next tokens. The **target** at every position is the model's logits with every
+other token set to ``-inf``, then warped (temperature, top-k, top-p) and normalised: what outlines
+and xgrammar sample from, and what :class:`~circuits_llm.decoding.decoder.AutoregressiveDecoder`
+samples from with ``constraint=``.
+
+The speculative decoder keeps that law exactly, whatever it drafts: position ``k`` of a verify
+block is masked by the automaton's state after ``c, d_1..d_{k-1}``, and the usual acceptance test
+(:mod:`~circuits_llm.decoding.acceptance`) runs on the masked rows. How it drafts is a
+:class:`ConstrainedDrafting`:
+
+* ``PRODUCT`` (default): the draft is the head's circuit times the automaton over the window
+  (:class:`~circuits.compiled.automaton_product.AutomatonProduct`), so every draft satisfies the
+  constraint and a forced token (the only one allowed) is drafted with probability 1. The draft
+  vocabulary applies: categories are the head's draft tokens, and a state whose allowed tokens
+  all lie outside it ends the draftable part of the window there. Such a state gets a *free* row
+  in the window's automaton (every category allowed, leading to a free sink): the product stays
+  positive, and the round verifies only the drafts before the free part (``L`` is read from the
+  drafts, a draft-side quantity, so the law stays exact; see
+  :mod:`~circuits_llm.decoding.draft_length`). The verifier's masked residual covers the tokens
+  the head cannot draft.
+* ``FREE``: the head drafts as without a constraint; only the target is masked (a draft that
+  breaks the constraint has target probability 0 and is rejected). The baseline of the benchmark.
+
+Everything here is eager and host-driven (the automaton's state is a Python int); with
+``compile=True`` the backbone's forwards and the accept program stay compiled.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from circuits.automata import Automaton
+from circuits.compiled.automaton_product import AutomatonProduct
+from circuits_llm.constraints import ConstraintError, JsonSchema, Regex, TokenAutomaton
+from circuits_llm.decoding.round import DraftResult
+from circuits_llm.decoding.warping import DecoderError
+
+__all__ = ["ConstrainedDrafting", "ConstraintTracker", "ProductDrafter", "resolve_constraint"]
+
+
+class ConstrainedDrafting(Enum):
+    """How the speculative decoder drafts under a constraint (see the module docstring)."""
+
+    PRODUCT = "product"
+    FREE = "free"
+
+
+def resolve_constraint(constraint: object, tokenizer: Any, vocab_size: int,
+                       eos_token_ids: tuple[int, ...]) -> TokenAutomaton:
+    """The :class:`TokenAutomaton` of ``constraint`` over the model's ``vocab_size`` ids.
+
+    A built automaton is used as it is (its vocabulary size must match); a :class:`Regex` or
+    :class:`JsonSchema` is built over ``tokenizer`` (cached per tokenizer and constraint), with
+    the first of the model's ``eos_token_ids`` as its end of sequence (else the tokenizer's).
+    """
+    if isinstance(constraint, TokenAutomaton):
+        automaton = constraint
+    elif isinstance(constraint, (Regex, JsonSchema)):
+        if tokenizer is None:
+            raise DecoderError(
+                f"constraint={constraint.describe()} needs the model's tokenizer to build its "
+                "token automaton: pass tokenizer=, or pass a TokenAutomaton built with "
+                "TokenAutomaton.build(constraint, tokenizer)")
+        eos = eos_token_ids[0] if eos_token_ids else None
+        try:
+            automaton = TokenAutomaton.build(constraint, tokenizer, eos_token_id=eos,
+                                             vocab_size=vocab_size)
+        except ConstraintError as error:
+            raise DecoderError(f"cannot decode under {constraint.describe()}: {error}") from error
+    else:
+        raise DecoderError(f"constraint must be a circuits_llm.constraints.Regex, JsonSchema or "
+                           f"TokenAutomaton, got {type(constraint).__name__}")
+    if automaton.vocab_size != vocab_size:
+        raise DecoderError(f"the constraint's automaton covers {automaton.vocab_size} token ids "
+                           f"but the model has {vocab_size}: build it with vocab_size={vocab_size}")
+    return automaton
+
+
+@dataclass
+class ConstraintTracker:
+    """The automaton's state after the output so far, and the masking of verifier rows.
+
+    Attributes:
+        automaton: the token automaton.
+        state: its state after every emitted token (the prompt is not read).
+        seconds: host time spent in constraint work (masks, automaton steps, product draws).
+    """
+
+    automaton: TokenAutomaton
+    state: int = field(init=False)
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.state = self.automaton.initial_state
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.automaton.eos_token_id
+
+    def emit(self, tokens: tuple[int, ...] | list[int]) -> None:
+        """Advance over emitted tokens (each was drawn from a masked row, so it is allowed)."""
+        for token in tokens:
+            self.state = self.automaton.advance(self.state, int(token))
+
+    def states_along(self, drafts: list[int]) -> list[int]:
+        """The states before each verify row of ``[c, d_1..d_L]``: ``L + 1`` states. After a
+        draft the automaton does not allow (FREE drafting), the last state is repeated: those
+        rows are never read, since that draft's target probability is 0."""
+        states = [self.state]
+        allowed = True
+        for token in drafts:
+            if allowed and bool(self.automaton.mask(states[-1])[token]):
+                states.append(self.automaton.advance(states[-1], token))
+            else:
+                allowed = False
+                states.append(states[-1])
+        return states
+
+    def masked(self, logits: Tensor, drafts: list[int]) -> Tensor:
+        """``logits`` (L+1, V) of the block ``[c, d_1..d_L]`` with row ``k`` masked by the state
+        after ``d_1..d_k`` (row 0: the current state): disallowed tokens get ``-inf``."""
+        start = time.perf_counter()
+        states = self.states_along(drafts)[:logits.shape[0]]
+        mask = torch.stack([self.automaton.mask(s, logits.device) for s in states])
+        out = logits.masked_fill(~mask, float("-inf"))
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+class ProductDrafter:
+    """Drafts from the head's circuit times the automaton over the window (``PRODUCT`` drafting).
+
+    Built once per (head, automaton): the automaton restricted to the head's draft vocabulary as
+    one :class:`~circuits.automata.Automaton` over all its states plus the free sink (see the
+    module docstring), restarted at the current state every round; the product prunes it to
+    the states reachable within the window.
+
+    Args:
+        head: the draft head (``circuit``, ``window``, ``draft_tokens``, ``vocab_size``).
+        automaton: the token automaton.
+    """
+
+    def __init__(self, head: Any, automaton: TokenAutomaton) -> None:
+        self.head = head
+        self.window: int = head.window
+        self.product = AutomatonProduct(head.circuit)
+        device = head.circuit.device
+        tokens = getattr(head, "draft_tokens", None)
+        self.draft_tokens: Tensor = (torch.arange(head.vocab_size) if tokens is None
+                                     else tokens.detach().cpu())
+        position = torch.full((head.vocab_size,), -1, dtype=torch.long)
+        position[self.draft_tokens] = torch.arange(self.draft_tokens.numel())
+        self.position = position
+        table = automaton.window(automaton.initial_state, automaton.num_states, self.draft_tokens)
+        local = table.next_state.clone()
+        sink = local.shape[0]
+        # a state with no draftable token: every category leads to the free sink
+        stuck = table.expanded & (local < 0).all(1)
+        local[stuck] = sink
+        local = torch.cat([local, torch.full((1, local.shape[1]), sink, dtype=torch.long)])
+        #: automaton state -> local index (states of the automaton not met: absent)
+        self.local = {int(s): i for i, s in enumerate(table.states.tolist())}
+        self.sink = sink
+        self.table = Automaton(local.to(device), 0)
+        self.device = device
+        self.last_size = 0
+
+    def draft(self, params: object, c: int, state: int, uniforms: Tensor | None
+              ) -> tuple[DraftResult, float]:
+        """One round's draft after the known token ``c`` from automaton state ``state``.
+
+        ``params``: the head's checked parameters for this round; ``uniforms``: (n-1,) float64
+        (sampling) or None (greedy). Returns the :class:`DraftResult` the accept program reads
+        (``length``: the drafts before the free part) and the seconds it took.
+        """
+        start = time.perf_counter()
+        n, device = self.window, self.device
+        index = int(self.position[c])
+        tokens = torch.zeros(n - 1, dtype=torch.long, device=device)
+        q = torch.zeros(n - 1, self.draft_tokens.numel(), dtype=torch.float64, device=device)
+        length, self.last_size = 0, 0
+        possible = index >= 0 and state in self.local
+        if possible:
+            automaton = self.table.restart(self.local[state])
+            drawn = self.product.draw(params, automaton,  # type: ignore[arg-type]
+                                      torch.tensor([index], device=device), consume_from=1,
+                                      uniforms=uniforms)
+            self.last_size = drawn.size
+            possible = drawn.length > 0
+            if possible:
+                values = drawn.values[1:]
+                walk, local = [], self.local[state]
+                for value in values[:drawn.length].tolist():
+                    local = int(self.table.next_state[local, value])
+                    walk.append(local)
+                length = next((k for k, s in enumerate(walk) if s == self.sink), drawn.length)
+                # the drafts after the free part are never verified: any draft-vocabulary ids
+                tokens = self.draft_tokens.to(device)[values]
+                q = drawn.conditionals.to(device)
+        block = torch.cat([torch.tensor([c], device=device), tokens])[None]
+        flags = torch.tensor([True, possible], device=device)
+        result = DraftResult(block[0, 1:], block, None if uniforms is None else q, flags[0],
+                             flags[1], torch.tensor(length, device=device))
+        return result, time.perf_counter() - start
