@@ -77,14 +77,17 @@ def row_specs(settings: Settings) -> list[RowSpec]:
             *greedy_rows(settings), *speed_rows(settings), *cirkit_rows(settings)]
 
 
-def run_check(settings: Settings, log: Callable[[str], None]) -> list[Row]:
-    """Run every row (on CUDA with the device made current); a row that would start after
-    ``settings.budget_s`` seconds is a SKIP that says so."""
+def run_check(settings: Settings, log: Callable[[str], None],
+              groups: frozenset[Group] | None = None) -> list[Row]:
+    """Run every row of ``groups`` (``None``: all; on CUDA with the device made current); a row
+    that would start after ``settings.budget_s`` seconds is a SKIP that says so."""
     if settings.cuda:
         torch.cuda.set_device(settings.device)
     start = time.perf_counter()
     rows: list[Row] = []
     for group, name, check in row_specs(settings):
+        if groups is not None and group not in groups:
+            continue
         elapsed = time.perf_counter() - start
         if elapsed > settings.budget_s:
             detail = f"{elapsed:.0f} s > {settings.budget_s:.0f} s"
@@ -120,10 +123,12 @@ def format_table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the check; the JSON-ready record (``rows``, ``counts``, ``passed``, machine, config)."""
+def run(settings: Settings, log: Callable[[str], None] = print,
+        groups: frozenset[Group] | None = None) -> dict[str, Any]:
+    """Run the check (the rows of ``groups``, ``None``: all); the JSON-ready record (``rows``,
+    ``counts``, ``passed``, machine, config)."""
     start = time.perf_counter()
-    rows = run_check(settings, log)
+    rows = run_check(settings, log, groups)
     records = [row.record() for row in rows]
     counts = Counter(row.status.value for row in rows)
     version = triton_version()
@@ -132,7 +137,8 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "config": {"device": str(settings.device), "quick": settings.quick,
                    "compiler": settings.compiler.value, "seed": settings.seed,
-                   "budget_s": settings.budget_s},
+                   "budget_s": settings.budget_s,
+                   "groups": None if groups is None else sorted(g.name.lower() for g in groups)},
         "machine": machine_info(settings.device),
         "triton": None if version is None else ".".join(map(str, version)),
         "rows": records, "counts": dict(counts), "passed": counts.get(Status.FAIL.value, 0) == 0,
@@ -156,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help=f"start no row after this many seconds (default {FULL_BUDGET_S:.0f}, "
                              f"{QUICK_BUDGET_S:.0f} with --quick)")
+    parser.add_argument("--groups", nargs="+", choices=[g.name.lower() for g in Group],
+                        default=None, help="run only these row groups (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0, help="seeds every random choice")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
@@ -172,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget_s if args.budget_s is not None else (
         QUICK_BUDGET_S if args.quick else FULL_BUDGET_S)
     settings = Settings(device, args.quick, compiler, args.seed, budget)
-    record = run(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
+    groups = None if args.groups is None else frozenset(Group[g.upper()] for g in args.groups)
+    record = run(settings, log=lambda line: print(line, file=sys.stderr, flush=True),
+                 groups=groups)
     publish(format_table(record), record, args.out, note=f" ({record['wall_s']:.0f} s)")
     return 0 if record["passed"] else 1
 

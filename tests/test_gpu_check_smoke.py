@@ -51,7 +51,7 @@ def test_exits_zero_with_one_table_and_the_json(smoke: dict[str, Any]) -> None:
     record = smoke["record"]
     assert record["schema_version"] == gpu_check.SCHEMA_VERSION and record["passed"]
     assert record["config"] == {"device": "cpu", "quick": True, "compiler": "aot_eager", "seed": 0,
-                                "budget_s": gpu_check.QUICK_BUDGET_S}
+                                "budget_s": gpu_check.QUICK_BUDGET_S, "groups": None}
     assert smoke["stdout"].count("GPU check on cpu") == 1
     for row in record["rows"]:  # every row is a line of the table
         assert f"{row['group']:<21}{row['name']:<36}{row['status']}" in smoke["stdout"]
