@@ -47,6 +47,7 @@ from circuits_llm.constraints import ConstraintError, Regex, TokenAutomaton
 from circuits_llm.decoding.acceptance import CorrectionPolicy
 from circuits_llm.decoding.constrained import ConstrainedDrafting, ProductDrafter
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
+from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.metrics import RoundKind
 from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.runtime.compiling import Compilation, use_compiler
@@ -167,17 +168,21 @@ def test_compressed_draft_vocabulary_keeps_the_constrained_law(
     assert total_variation(got, want) < 1e-9, total_variation(got, want)
 
 
-def test_product_drafter_free_rows_and_unreachable_states() -> None:
+def test_product_drafter_free_rows_and_states_outside_the_draft() -> None:
     """The compressed vocabularies exercise what they are meant to: without ``c`` the state
     after ``b`` (and the final state, without EOS) lead every category to the free sink; without
-    ``b`` the state after ``b`` is not a drafter state (the round is autoregressive)."""
+    ``b`` the state after ``b`` is never drafted into, yet a round that starts there (after the
+    verifier emitted ``b``) drafts its forced ``c``."""
     after_b, after_d = state_after([2]), state_after([4])
     no_c = ProductDrafter(head("btree", NO_C), AUTOMATON)
     for state in (after_b, after_d):
         assert (no_c.table.next_state[no_c.local[state]] == no_c.sink).all()
     assert not (no_c.table.next_state[no_c.local[AUTOMATON.initial_state]] == no_c.sink).any()
     no_b = ProductDrafter(head("btree", NO_B), AUTOMATON)
-    assert after_b not in no_b.local and AUTOMATON.initial_state in no_b.local
+    row = no_b.table.next_state[no_b.local[after_b]]
+    assert (row != no_b.sink).any() and set(AUTOMATON.allowed(after_b).tolist()) == {3}
+    draft, _ = no_b.draft(None, 1, after_b, None)
+    assert draft.tokens[0] == 3 and int(draft.length) >= 1
 
 
 @pytest.mark.parametrize("draft_tokens", [None, NO_C, NO_B], ids=["full", "no-c", "no-b"])
@@ -295,6 +300,24 @@ def test_sampling_matches_the_constrained_law(architecture: str,
                                  constrained_drafting=drafting)
     samples = _samples(decoder, [1, 2], 4, cfg, seed=11, count=count)
     law = constrained_target_law(lm(), AUTOMATON, [1, 2], 4, cfg)
+    assert law_p_value(*pooled(samples, law)) > 1e-3
+
+
+@pytest.mark.parametrize("architecture", ["btree", "hmm"])
+def test_a_draft_length_rule_applies_to_product_drafts(architecture: str) -> None:
+    """DraftLength.confident reads the product's own conditionals: greedy output is still
+    constrained AR's, sampling still follows the constrained law, and rounds verify fewer
+    drafts than the window holds."""
+    rule = DraftLength.confident(0.95)
+    reference = AutoregressiveDecoder(lm())
+    decoder = SpeculativeDecoder(lm(), head(architecture, None, seed=2, scale=3.0),
+                                 constrained_drafting=PRODUCT, draft_length=rule)
+    _greedy_matches_ar(decoder, reference)
+    rounds = [r for prompt in PROMPTS for r in decoder.generate(
+        prompt, 12, constraint=AUTOMATON, eos_token_id=()).rounds if r.drafted > 0]
+    assert any(r.drafted < decoder.head.window - 1 for r in rounds)
+    samples = _samples(decoder, [1, 2], 4, SAMPLING, seed=5, count=1000)
+    law = constrained_target_law(lm(), AUTOMATON, [1, 2], 4, SAMPLING)
     assert law_p_value(*pooled(samples, law)) > 1e-3
 
 

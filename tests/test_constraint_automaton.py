@@ -463,3 +463,18 @@ def test_smollm2_window_with_draft_vocabulary(smollm2: Any) -> None:
     allowed = set(automaton.allowed(state).tolist())
     categories = (table.next_state[0] >= 0).nonzero().flatten()
     assert {int(draft[k]) for k in categories} == allowed & set(range(4096))
+
+
+@pytest.mark.parametrize("draft", [None, (1, 2, 3, 4, 5, 6, 40, 41)], ids=["whole", "compressed"])
+def test_draft_table_is_every_state_s_row(digits: TokenAutomaton, draft: tuple[int, ...] | None
+                                          ) -> None:
+    """Row ``s`` of ``draft_table`` is what ``allowed`` / ``next_states`` say, restricted to the
+    draft vocabulary (-1 elsewhere)."""
+    tokens = None if draft is None else torch.tensor(draft)
+    table = digits.draft_table(tokens)
+    ids = list(range(digits.vocab_size)) if draft is None else list(draft)
+    assert table.shape == (digits.num_states, len(ids))
+    for state in range(digits.num_states):
+        moves = dict(zip(digits.allowed(state).tolist(), digits.next_states(state).tolist(),
+                         strict=True))
+        assert table[state].tolist() == [moves.get(i, -1) for i in ids]

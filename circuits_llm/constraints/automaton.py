@@ -266,6 +266,19 @@ class TokenAutomaton:
             view.rows[state] = row
         return row
 
+    def draft_table(self, draft_tokens: Tensor | None = None) -> Tensor:
+        """``(num_states, K)`` long: the state every draft category leads to from every state,
+        -1 where it is not allowed (category ``k`` = model id ``draft_tokens[k]``; None: the
+        whole vocabulary, ``K = V``). One pass over the states (each row cached); what a drafter
+        restarts in every round, where :meth:`window` explores from one state."""
+        view = self._draft_view(draft_tokens)
+        width = self.vocab_size if view.tokens is None else len(view.tokens)
+        table = np.full((self.num_states, width), -1, dtype=np.int64)
+        for state in range(self.num_states):
+            categories, nexts = self._row(view, state)
+            table[state, categories] = nexts
+        return torch.from_numpy(table)
+
     def window(self, start: int, steps: int, draft_tokens: Tensor | None = None) -> WindowTable:
         """The automaton from ``start`` over ``steps`` positions, on the draft vocabulary.
 

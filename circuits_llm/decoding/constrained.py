@@ -42,6 +42,7 @@ from torch import Tensor
 from circuits.automata import Automaton
 from circuits.compiled.automaton_product import AutomatonProduct
 from circuits_llm.constraints import ConstraintError, JsonSchema, Regex, TokenAutomaton
+from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.round import DraftResult
 from circuits_llm.decoding.warping import DecoderError
 
@@ -161,27 +162,30 @@ class ProductDrafter:
         position = torch.full((head.vocab_size,), -1, dtype=torch.long)
         position[self.draft_tokens] = torch.arange(self.draft_tokens.numel())
         self.position = position
-        table = automaton.window(automaton.initial_state, automaton.num_states, self.draft_tokens)
-        local = table.next_state.clone()
+        start = time.perf_counter()
+        local = automaton.draft_table(self.draft_tokens)
         sink = local.shape[0]
         # a state with no draftable token: every category leads to the free sink
-        stuck = table.expanded & (local < 0).all(1)
-        local[stuck] = sink
+        local[(local < 0).all(1)] = sink
         local = torch.cat([local, torch.full((1, local.shape[1]), sink, dtype=torch.long)])
-        #: automaton state -> local index (states of the automaton not met: absent)
-        self.local = {int(s): i for i, s in enumerate(table.states.tolist())}
+        #: automaton state -> the drafter's state index (the same numbers, plus the sink)
+        self.local = {s: s for s in range(automaton.num_states)}
         self.sink = sink
         self.table = Automaton(local.to(device), 0)
         self.device = device
         self.last_size = 0
+        #: seconds it took to build the drafter (once per head and automaton)
+        self.build_seconds = time.perf_counter() - start
 
-    def draft(self, params: object, c: int, state: int, uniforms: Tensor | None
-              ) -> tuple[DraftResult, float]:
+    def draft(self, params: object, c: int, state: int, uniforms: Tensor | None,
+              rule: DraftLength | None = None) -> tuple[DraftResult, float]:
         """One round's draft after the known token ``c`` from automaton state ``state``.
 
         ``params``: the head's checked parameters for this round; ``uniforms``: (n-1,) float64
-        (sampling) or None (greedy). Returns the :class:`DraftResult` the accept program reads
-        (``length``: the drafts before the free part) and the seconds it took.
+        (sampling) or None (greedy); ``rule``: the decoder's draft-length rule, applied to the
+        product's own conditionals (``None``: verify every draft before the free part). Returns
+        the :class:`DraftResult` the accept program reads (``length``: the drafts before the free
+        part, at most the rule's) and the seconds it took.
         """
         start = time.perf_counter()
         n, device = self.window, self.device
@@ -204,6 +208,9 @@ class ProductDrafter:
                     local = int(self.table.next_state[local, value])
                     walk.append(local)
                 length = next((k for k, s in enumerate(walk) if s == self.sink), drawn.length)
+                if rule is not None and rule != DraftLength.fixed():
+                    # a draft-side stopping time of the product's own draft: the law stays exact
+                    length = min(length, int(rule.decide(drawn.conditionals, values)))
                 # the drafts after the free part are never verified: any draft-vocabulary ids
                 tokens = self.draft_tokens.to(device)[values]
                 q = drawn.conditionals.to(device)

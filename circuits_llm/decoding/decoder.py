@@ -49,9 +49,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuits.compiled import CompiledCircuit
-from circuits.compiled.circuit import LogParameters
-from circuits.errors import InvalidInputError
 from circuits_llm.decoding.acceptance import CorrectionPolicy, Transition, transition
 from circuits_llm.decoding.backbones import as_backbone, hf_model_under
 from circuits_llm.decoding.constrained import (
@@ -62,6 +59,7 @@ from circuits_llm.decoding.constrained import (
 )
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.exclusive import exclusive
+from circuits_llm.decoding.inputs import check_draft_tokens, check_prompt, head_parameters
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats, summarize
 from circuits_llm.decoding.round import RoundOutcome, RoundProgram
 from circuits_llm.decoding.stopping import StopCondition, eos_ids
@@ -82,35 +80,6 @@ __all__ = [
 
 #: how invalid verifier logits are named in errors
 VERIFIER_LOGITS = "the backbone's verifier logits"
-
-
-def _head_parameters(circuit: CompiledCircuit, params: object) -> LogParameters:
-    """The head's output for one round, checked and normalised once for the draft and ``q``.
-
-    The value check (:mod:`circuits.compiled.validity`) costs one host synchronisation per round;
-    a round synchronises anyway (its draft goes to the host), and this turns NaN/inf head outputs
-    into an error instead of garbage drafts.
-    """
-    try:
-        return circuit.log_parameters(params)  # type: ignore[arg-type]
-    except InvalidInputError as error:
-        raise DecoderError(f"the draft head's output for this round is unusable: {error}") from error
-
-
-def _check_draft_tokens(head: DraftHead) -> int:
-    """The size of the head's draft vocabulary: ``head.draft_tokens`` (K,) distinct model ids
-    when it compresses the vocabulary, else the whole vocabulary."""
-    tokens = getattr(head, "draft_tokens", None)
-    if tokens is None:
-        return head.vocab_size
-    if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.is_floating_point() \
-            or tokens.numel() == 0:
-        raise DecoderError(f"head.draft_tokens must be a non-empty (K,) integer tensor of model "
-                           f"token ids, got {tokens!r}")
-    ids = tokens.tolist()
-    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= head.vocab_size:
-        raise DecoderError(f"head.draft_tokens must hold distinct ids in 0..{head.vocab_size - 1}")
-    return len(ids)
 
 
 def _now(device: torch.device) -> float:
@@ -150,26 +119,7 @@ class AutoregressiveDecoder:
 
     # ------------------------------------------------------------------ checks
     def _prompt(self, input_ids: Tensor | Sequence[int]) -> list[int]:
-        if isinstance(input_ids, Tensor):
-            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-                raise DecoderError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
-            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
-                input_ids = input_ids[0]
-            if input_ids.dim() != 1:
-                raise DecoderError(f"input_ids must have shape (L,) or (1, L) (batch size 1), "
-                                   f"got {tuple(input_ids.shape)}")
-            tokens = [int(t) for t in input_ids.tolist()]
-        else:
-            tokens = list(input_ids) if isinstance(input_ids, Sequence) else [input_ids]
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-                raise DecoderError(f"input_ids must hold integer token ids, got {input_ids!r}")
-        if not tokens:
-            raise DecoderError("the prompt is empty: give at least one token id")
-        vocab = self.backbone.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise DecoderError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
-        return tokens
+        return check_prompt(input_ids, self.backbone.vocab_size)
 
     def default_eos_token_ids(self) -> tuple[int, ...]:
         """The EOS ids :meth:`generate` stops at when given neither ``eos_token_id`` nor ``stop``:
@@ -378,7 +328,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             raise DecoderError(f"the head's window must be >= 2 (variable 0 is the known next "
                                f"token, the rest are drafted) and match its circuit's "
                                f"{circuit.num_variables} variables; got window={head.window}")
-        draft_size = _check_draft_tokens(head)
+        draft_size = check_draft_tokens(head)
         if any(k != draft_size for k in circuit.category_sizes):
             raise DecoderError(f"every circuit variable must have {draft_size} categories (the "
                                f"head's draft vocabulary), got {list(circuit.category_sizes)}")
@@ -419,8 +369,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         key = id(tracker.automaton)
         entry = self._drafters.get(key)
         if entry is None or entry[0] is not tracker.automaton:
-            entry = self._drafters[key] = (tracker.automaton,
-                                           ProductDrafter(self.head, tracker.automaton))
+            drafter = ProductDrafter(self.head, tracker.automaton)
+            tracker.seconds += drafter.build_seconds  # constraint work, paid once per automaton
+            entry = self._drafters[key] = (tracker.automaton, drafter)
         return entry[1]  # type: ignore[return-value]
 
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
@@ -433,11 +384,11 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         t0 = _now(clock)
         uniforms = None if config.greedy else program.draw_uniforms(generator)
         if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT:
-            params = _head_parameters(self.head.circuit, self.head(hidden))
+            params = head_parameters(self.head.circuit, self.head(hidden))
             draws = None if config.greedy else torch.rand(
                 program.window - 1, generator=generator, dtype=torch.float64, device=clock)
             drafter = self._drafter(tracker)
-            draft, seconds = drafter.draft(params, c, tracker.state, draws)
+            draft, seconds = drafter.draft(params, c, tracker.state, draws, self.draft_length)
             tracker.seconds += seconds
             size = drafter.last_size
             length = int(draft.length)  # type: ignore[arg-type]
@@ -471,7 +422,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         the fast path only carries two booleans back to the host)."""
         if not outcome.head_ok:
             with torch.no_grad():
-                _head_parameters(self.head.circuit, self.head(hidden))
+                head_parameters(self.head.circuit, self.head(hidden))
             raise DecoderError("the draft head's output for this round is not finite")
         if not outcome.verifier_ok:
             target_probs(step.verifier_logits[0], config, VERIFIER_LOGITS)
