@@ -94,12 +94,13 @@ class ConstraintTracker:
     Attributes:
         automaton: the token automaton.
         state: its state after every emitted token (the prompt is not read).
-        seconds: host time spent in constraint work (masks, automaton steps, product draws).
+        pending: host seconds of constraint work (masks, automaton steps, product draws) not yet
+            reported (:meth:`take`).
     """
 
     automaton: TokenAutomaton
     state: int = field(init=False)
-    seconds: float = 0.0
+    pending: float = 0.0
 
     def __post_init__(self) -> None:
         self.state = self.automaton.initial_state
@@ -107,6 +108,11 @@ class ConstraintTracker:
     @property
     def eos_token_id(self) -> int:
         return self.automaton.eos_token_id
+
+    def take(self) -> float:
+        """The constraint work's seconds since the last call (one round's ``constraint_s``)."""
+        seconds, self.pending = self.pending, 0.0
+        return seconds
 
     def emit(self, tokens: tuple[int, ...] | list[int]) -> None:
         """Advance over emitted tokens (each was drawn from a masked row, so it is allowed)."""
@@ -134,7 +140,7 @@ class ConstraintTracker:
         states = self.states_along(drafts)[:logits.shape[0]]
         mask = torch.stack([self.automaton.mask(s, logits.device) for s in states])
         out = logits.masked_fill(~mask, float("-inf"))
-        self.seconds += time.perf_counter() - start
+        self.pending += time.perf_counter() - start
         return out
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from circuits_llm.constraints import TokenAutomaton
 from circuits_llm.decoding.acceptance import CorrectionPolicy, Transition, transition
 from circuits_llm.decoding.backbones import as_backbone, hf_model_under
 from circuits_llm.decoding.constrained import (
@@ -147,7 +148,6 @@ class AutoregressiveDecoder:
         start = _now(self.device)
         step = self.backbone.extend(torch.tensor([[c]], device=self.device))
         logits = step.verifier_logits[0, -1:]
-        spent = 0.0 if tracker is None else tracker.seconds
         if tracker is not None:
             logits = tracker.masked(logits, [])
         p = target_probs(logits[0], config, VERIFIER_LOGITS)
@@ -156,7 +156,7 @@ class AutoregressiveDecoder:
         end = _now(self.device)
         stats = RoundStats(RoundKind.AUTOREGRESSIVE, 0, 0, 1, verify_s=verified - start,
                            accept_s=end - verified, total_s=end - start,
-                           constraint_s=0.0 if tracker is None else tracker.seconds - spent)
+                           constraint_s=0.0 if tracker is None else tracker.take())
         return Transition((token,), token, 1), step, stats
 
     @torch.no_grad()
@@ -209,6 +209,12 @@ class AutoregressiveDecoder:
         if stop is not None and not isinstance(stop, StopCondition):
             raise DecoderError(f"stop must be a circuits_llm.decoding.stopping.StopCondition, got "
                                f"{type(stop).__name__}")
+        tracker = None
+        if constraint is not None:  # decoding also ends at the automaton's EOS
+            tracker = ConstraintTracker(resolve_constraint(
+                constraint, tokenizer, self.backbone.vocab_size,
+                tuple(sorted(eos)) or self.default_eos_token_ids()))
+            eos.add(tracker.eos_token_id)
         condition = StopCondition(
             max_new_tokens if stop is None else min(max_new_tokens, stop.max_new_tokens),
             tuple(sorted(eos)) + (() if stop is None else stop.eos_token_ids),
@@ -220,15 +226,6 @@ class AutoregressiveDecoder:
                 f"the backbone's cache holds {capacity} tokens but this call may need {needed} "
                 f"(prompt {len(prompt)} + max_new_tokens {max_new_tokens} + {self.lookahead} "
                 "drafted ahead): build the backbone with a larger max_cache_len, or generate less")
-        tracker = None
-        if constraint is not None:
-            tracker = ConstraintTracker(resolve_constraint(
-                constraint, tokenizer, self.backbone.vocab_size,
-                tuple(sorted(eos)) or self.default_eos_token_ids()))
-            condition = StopCondition(condition.max_new_tokens,
-                                      tuple(sorted({*condition.eos_token_ids,
-                                                    tracker.eos_token_id})),
-                                      condition.stop_strings, criteria=condition.criteria)
         with exclusive(decoder=self, backbone=self.backbone):
             return self._decode(prompt, condition, config, generator, tracker)
 
@@ -339,7 +336,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                                f"{constrained_drafting!r}")
         self.constrained_drafting = constrained_drafting
         #: product drafters, one per constraint automaton (built at its first round)
-        self._drafters: dict[int, tuple[object, ProductDrafter]] = {}
+        self._drafters: dict[TokenAutomaton, ProductDrafter] = {}
         self.head = head
         self.policy = policy
         self.draft_length = rule
@@ -366,13 +363,12 @@ class SpeculativeDecoder(AutoregressiveDecoder):
 
     def _drafter(self, tracker: ConstraintTracker) -> ProductDrafter:
         """The product drafter of the tracker's automaton (built once per automaton)."""
-        key = id(tracker.automaton)
-        entry = self._drafters.get(key)
-        if entry is None or entry[0] is not tracker.automaton:
-            drafter = ProductDrafter(self.head, tracker.automaton)
-            tracker.seconds += drafter.build_seconds  # constraint work, paid once per automaton
-            entry = self._drafters[key] = (tracker.automaton, drafter)
-        return entry[1]  # type: ignore[return-value]
+        drafter = self._drafters.get(tracker.automaton)
+        if drafter is None:
+            drafter = self._drafters[tracker.automaton] = ProductDrafter(self.head,
+                                                                         tracker.automaton)
+            tracker.pending += drafter.build_seconds  # constraint work, paid once per automaton
+        return drafter
 
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
                generator: torch.Generator | None, tracker: ConstraintTracker | None = None
@@ -380,7 +376,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if hidden is None:  # one-token prompt: nothing to parameterise the head with yet
             return super()._round(c, hidden, config, generator, tracker)
         program, clock = self._program(config), self.device
-        spent, size = 0.0 if tracker is None else tracker.seconds, 0
+        size = 0
         t0 = _now(clock)
         uniforms = None if config.greedy else program.draw_uniforms(generator)
         if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT:
@@ -389,7 +385,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                 program.window - 1, generator=generator, dtype=torch.float64, device=clock)
             drafter = self._drafter(tracker)
             draft, seconds = drafter.draft(params, c, tracker.state, draws, self.draft_length)
-            tracker.seconds += seconds
+            tracker.pending += seconds
             size = drafter.last_size
             length = int(draft.length)  # type: ignore[arg-type]
         else:
@@ -412,7 +408,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             (RoundKind.AUTOREGRESSIVE, 0)
         stats = RoundStats(kind, drafted, outcome.accepted, len(move.emitted), draft_s=t1 - t0,
                            verify_s=t2 - t1, accept_s=t3 - t2, total_s=t3 - t0,
-                           constraint_s=0.0 if tracker is None else tracker.seconds - spent,
+                           constraint_s=0.0 if tracker is None else tracker.take(),
                            product_size=size)
         return move, step, stats
 
