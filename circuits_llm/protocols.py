@@ -64,7 +64,13 @@ class Backbone(Protocol):
 
 
 class DraftHead(Protocol):
-    """Maps hidden states to circuit parameters for a window of future tokens."""
+    """Maps hidden states to circuit parameters for a window of future tokens.
+
+    A head may also read the verified token ``c`` (``X_0``): it then has ``reads_token = True``
+    and is called ``head(hidden, token)`` with ``token`` (B,) long, ``X_0``'s category (a
+    draft-vocabulary index when it has ``draft_tokens``). Call it through
+    :func:`draft_parameters`, which passes the token only to heads that read it.
+    """
 
     window: int
     vocab_size: int
@@ -74,6 +80,15 @@ class DraftHead(Protocol):
     def __call__(self, hidden: Tensor) -> dict[str, Tensor]:
         """``hidden`` (B, d) -> external parameters of :attr:`circuit` with batch B."""
         ...
+
+
+def draft_parameters(head: object, hidden: Tensor, token: Tensor) -> dict[str, Tensor]:
+    """A head's raw circuit parameters for ``hidden`` (B, d) and ``X_0``'s category ``token``
+    (B,) long: ``head(hidden, token)`` for a head that reads the token (``reads_token``), else
+    ``head(hidden)``."""
+    if getattr(head, "reads_token", False):
+        return head(hidden, token)  # type: ignore[operator,no-any-return]
+    return head(hidden)  # type: ignore[operator,no-any-return]
 
 
 #: The members the run-time checks below read: typed attributes, then methods.

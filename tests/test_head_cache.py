@@ -208,7 +208,8 @@ def test_package_heads_fit_the_budget_and_the_demo() -> None:
     assert set(by_arch) == set(demo.heads)
     for architecture, head in by_arch.items():
         wanted = demo_module.training_config(demo, architecture).to_dict()
-        assert all(wanted[name] == head.training[name] for name in hc.STRUCTURE_FIELDS), \
+        theirs = HeadTrainingConfig.from_dict(head.training).to_dict()
+        assert all(wanted[name] == theirs[name] for name in hc.STRUCTURE_FIELDS), \
             f"the shipped {architecture} head does not have the demo's structure"
         assert head.manifest["head_config"]["draft_vocab_size"] == demo.draft_vocab
         # at most 5% of SmolLM2-135M's 134,515,008 parameters

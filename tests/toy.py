@@ -462,7 +462,8 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
             hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
             if drafter is not None:
                 with torch.no_grad():
-                    params = head.circuit.log_parameters(head(hidden))
+                    params = head.circuit.log_parameters(
+                        program.head_parameters(hidden, torch.tensor([c])))
                 drafts = _product_drafts(drafter, params, c, state, config.greedy)
             else:
                 drafts = free_drafts(hidden, c)

@@ -64,6 +64,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text}")
+    return value
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "bad input" (reported in one line) rather than a bug."""
     from circuits.errors import CircuitError
@@ -127,6 +137,10 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--rank", type=_positive_int)
     tuning.add_argument("--variant", choices=("lean", "full"))
     tuning.add_argument("--lora-layers", type=_non_negative_int)
+    tuning.add_argument("--token-input", action=argparse.BooleanOptionalAction, default=None,
+                        help="heads that also read the verified token's embedding")
+    tuning.add_argument("--draft-confidence", type=_probability, metavar="TAU",
+                        help="verify only the drafts the head is this confident in (exact)")
     tuning.add_argument("--train-steps", type=_positive_int)
     tuning.add_argument("--train-seconds", type=_positive_float,
                         help="training budget of all heads together (FF gets 1/5 of a BTree's)")
@@ -141,7 +155,8 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
 
 def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
     """``base`` with every override given on the command line."""
-    names = ("window", "rank", "variant", "lora_layers", "train_steps", "train_seconds",
+    names = ("window", "rank", "variant", "lora_layers", "token_input", "draft_confidence",
+             "train_steps", "train_seconds",
              "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_bytes",
              "new_tokens", "temperature")
     changes: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}

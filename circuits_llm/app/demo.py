@@ -78,6 +78,11 @@ class ComparisonConfig:
         rank: circuit rank of non-FF heads (FF heads always have rank 1).
         variant: ``"lean"`` or ``"full"`` head parameterisation.
         lora_layers: decoder layers in the LoRA draft branch (0: heads read the final hidden state).
+        token_input: heads that also read the verified token's embedding
+            (:class:`~circuits_llm.heads.token_input.TokenInput`).
+        draft_confidence: every speculative decoder verifies only the drafts its head is
+            confident in (``DraftLength.confident(draft_confidence)``, exact); None: every round
+            verifies the whole window.
         draft_vocab: ``K``, the size of the heads' compressed draft vocabulary (the ``K`` most
             frequent tokens of the training data); None, or a ``K`` at least the model's
             vocabulary, drafts over every token.
@@ -108,6 +113,8 @@ class ComparisonConfig:
     rank: int = 32
     variant: str = "lean"
     lora_layers: int = 0
+    token_input: bool = False
+    draft_confidence: float | None = None
     draft_vocab: int | None = None
     train_steps: int = 5000
     train_seconds: float = 560.0
@@ -167,6 +174,8 @@ def training_config(config: ComparisonConfig, architecture: str) -> Any:
     options: dict[str, Any] = {}
     if config.draft_vocab is not None:
         options["draft_vocab"] = config.draft_vocab
+    if config.token_input:
+        options["token_input"] = True
     if config.self_distill:
         samples = min(config.distill_samples, config.train_steps * config.train_batch_size)
         options.update(data=DataSource.SELF_DISTILLED, distill_samples=samples,
@@ -217,15 +226,19 @@ def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig) -> dict[s
     """
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    from circuits_llm.decoding.draft_length import DraftLength
+    rule = None if config.draft_confidence is None else \
+        DraftLength.confident(config.draft_confidence)
     if not config.compile:
         decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}
-        decoders.update({h.name: SpeculativeDecoder(h.backbone, h.head) for h in heads})
+        decoders.update({h.name: SpeculativeDecoder(h.backbone, h.head, draft_length=rule)
+                         for h in heads})
         return decoders
     shared = HFBackbone(loaded.model, compile=True, compiled_lengths=sorted({1, config.window}))
     decoders = {rep.BASELINE: AutoregressiveDecoder(shared)}
     for h in heads:
         backbone = shared if h.backbone.lora_layers == 0 else h.backbone
-        decoders[h.name] = SpeculativeDecoder(backbone, h.head, compile=True)
+        decoders[h.name] = SpeculativeDecoder(backbone, h.head, compile=True, draft_length=rule)
     return decoders
 
 

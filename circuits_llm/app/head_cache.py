@@ -12,7 +12,8 @@ The entry is complete once its marker :data:`HEAD_MARKER` (JSON) is written, whi
 
 * ``head.safetensors``: the head's trained tensors, floating point ones in float16 (half the
   bytes; a head is an approximation of the model, and the decoder is exact for any head). The
-  frozen LM-head copy of a LEAN head is left out: it is rebuilt from the model;
+  frozen LM-head copy of a LEAN head and the token input's embedding rows are left out: they are
+  rebuilt from the model;
 * ``shipped.json``: :data:`SHIPPED_FORMAT`, the run's ``training.json`` record (configuration,
   validation, the model fingerprint it was trained against), the head's structure, and the
   SHA-256 of the tensor file.
@@ -58,7 +59,7 @@ SHIPPED_VERSION = 1
 #: Training-config fields that fix a head's tensors: a shipped head serves a request that agrees
 #: with it on these (budgets, learning rate or data may differ).
 STRUCTURE_FIELDS = ("architecture", "circuit_file", "window", "rank", "variant", "lean_rank",
-                    "lora_layers", "lora_rank", "draft_vocab")
+                    "lora_layers", "lora_rank", "draft_vocab", "token_input")
 
 
 class HeadOrigin(Enum):
@@ -127,9 +128,12 @@ class ShippedHead:
     def serves(self, training: Any, model_fingerprint: dict[str, str]) -> bool:
         """Whether this head was trained against ``model_fingerprint`` (the training record's
         model identity) with the structure ``training`` asks for."""
+        from circuits_llm.training import HeadTrainingConfig
         wanted = jsonable(training)
+        # a record written before a structure field existed has that field's default
+        theirs = HeadTrainingConfig.from_dict(self.training).to_dict()
         return self.record.get("model_fingerprint") == model_fingerprint and all(
-            wanted.get(name) == self.training.get(name) for name in STRUCTURE_FIELDS)
+            wanted.get(name) == theirs.get(name) for name in STRUCTURE_FIELDS)
 
 
 def read_shipped_head(directory: Path) -> ShippedHead:
@@ -232,7 +236,7 @@ def _rebuild_head(shipped: ShippedHead, model: Any) -> tuple[Any, Any]:
     from circuits_llm.heads.config import HeadConfig
     from circuits_llm.heads.io import DRAFT_TOKENS, head_tensors
     from circuits_llm.text.models import config_fingerprint
-    from circuits_llm.training.build import lm_head_weight
+    from circuits_llm.training.build import input_embedding_weight, lm_head_weight
     path = shipped.directory / SHIPPED_TENSORS
     if not path.is_file() or sha256_file(path) != shipped.manifest["tensors_sha256"]:
         raise ShippedHeadError(f"{path} is missing or does not match its checksum in "
@@ -243,9 +247,13 @@ def _rebuild_head(shipped: ShippedHead, model: Any) -> tuple[Any, Any]:
                                       str(shipped.directory / SHIPPED_MANIFEST))
         if config.architecture is None or config.rank is None:
             raise HeadConfigError("a shipped head must be of a registered head kind")
+        embedding = None  # the token input's frozen rows, rebuilt from the model like the LM head
+        if config.token_width is not None:
+            embedding = input_embedding_weight(model).detach().float().cpu()
         head = MTPHead.from_name(config.architecture, config.window, config.rank,
                                  config.hidden_size, config.vocab_size, config.variant,
                                  lm_head_weight(model).detach().float().cpu(),
+                                 token_embedding=embedding, token_width=config.token_width,
                                  draft_vocab=stored.get(DRAFT_TOKENS), input_bias=config.input_bias,
                                  lean_rank=config.lean_rank, identity_init=config.identity_init,
                                  identity_bias=config.identity_bias)

@@ -380,7 +380,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         t0 = _now(clock)
         uniforms = None if config.greedy else program.draw_uniforms(generator)
         if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT:
-            params = head_parameters(self.head.circuit, self.head(hidden))
+            first = torch.tensor([c], device=clock)
+            params = head_parameters(self.head.circuit, program.head_parameters(hidden, first))
             draws = None if config.greedy else torch.rand(
                 program.window - 1, generator=generator, dtype=torch.float64, device=clock)
             drafter = self._drafter(tracker)
@@ -400,7 +401,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             logits = tracker.masked(logits, block[0, 1:].tolist())
         outcome = program.outcome(program.accept(logits, draft, uniforms))
         t3 = _now(clock)
-        self._explain_failure(outcome, hidden, step, config)
+        self._explain_failure(outcome, program, hidden, c, step, config)
         move = transition(self.policy, outcome.draft, outcome.accepted, outcome.token)
         # impossible evidence: every draft was rejected and p_1 decided, an AR step in law;
         # otherwise ``drafted`` is L, the drafts this round verified
@@ -412,13 +413,14 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                            product_size=size)
         return move, step, stats
 
-    def _explain_failure(self, outcome: RoundOutcome, hidden: Tensor, step: BackboneStep,
-                         config: SamplingConfig) -> None:
+    def _explain_failure(self, outcome: RoundOutcome, program: RoundProgram, hidden: Tensor,
+                         c: int, step: BackboneStep, config: SamplingConfig) -> None:
         """Turn a round's failed flag into the detailed error of the eager checks (rare path:
         the fast path only carries two booleans back to the host)."""
         if not outcome.head_ok:
             with torch.no_grad():
-                head_parameters(self.head.circuit, self.head(hidden))
+                first = torch.tensor([c], device=hidden.device)
+                head_parameters(self.head.circuit, program.head_parameters(hidden, first))
             raise DecoderError("the draft head's output for this round is not finite")
         if not outcome.verifier_ok:
             target_probs(step.verifier_logits[0], config, VERIFIER_LOGITS)

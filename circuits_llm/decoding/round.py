@@ -60,6 +60,7 @@ from circuits.kernels import GumbelChooser, use_backend
 from circuits_llm.decoding.acceptance import acceptance_ratios, usable_conditionals
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
+from circuits_llm.protocols import draft_parameters
 from circuits_llm.runtime.compiling import CompiledProgram, Compiler
 
 #: compiled programs (head x configuration) one process can hold before Dynamo recompiles stop
@@ -214,9 +215,9 @@ class RoundProgram:
         hidden = torch.zeros(1, self.head.hidden_size, device=self.circuit.device,  # type: ignore[attr-defined]
                              dtype=getattr(self.head, "dtype", torch.float32))
         tape = UniformTape(None)
+        first = torch.zeros(1, dtype=torch.long, device=self.circuit.device)
         with torch.no_grad(), use_backend("torch"):
-            self._sample_window(self.head(hidden), torch.zeros(1, dtype=torch.long,  # type: ignore[operator]
-                                                               device=self.circuit.device), tape)
+            self._sample_window(draft_parameters(self.head, hidden, first), first, tape)
         return tape.used
 
     def draw_uniforms(self, generator: torch.Generator | None) -> Tensor:
@@ -232,6 +233,15 @@ class RoundProgram:
             if self.compiled and self._refresh is not None:
                 self._refresh()
             return self._result(*self._draft(hidden, c, uniforms))
+
+    def head_parameters(self, hidden: Tensor, c: Tensor) -> dict[str, Tensor]:
+        """The head's raw parameters for ``hidden`` (1, d) after the verified token ``c`` (1,)
+        model id (:func:`~circuits_llm.protocols.draft_parameters`: a head that reads the token
+        gets ``c``'s draft-vocabulary index, clamped to 0 outside it, where the round drafts
+        nothing)."""
+        if self.position is None:
+            return draft_parameters(self.head, hidden, c)
+        return draft_parameters(self.head, hidden, self.position[c].clamp(min=0))
 
     def _evidence(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x`` (1, n) with ``X_0`` = c's draft index, the mask of ``X_0``, and () bool: ``c`` is in
@@ -281,7 +291,7 @@ class RoundProgram:
         :class:`DraftResult`). Few outputs: under CUDA graphs each is copied out once per round.
         The draft-length rule reads the conditionals (computed for it when greedy too) and the
         drafts, nothing of the target."""
-        raw = self.head(hidden)  # type: ignore[operator]
+        raw = self.head_parameters(hidden, c)
         head_ok = torch.stack([_usable(v) for v in raw.values()]).all()
         chooser = None if uniforms is None else UniformTape(uniforms)
         state, value, inside, prepared = self._sample_window(raw, c, chooser)
@@ -323,9 +333,10 @@ class RoundProgram:
         (B, n-1) draft-vocabulary indices -> (B, n-1, K) float64. The exact-law enumeration of
         the tests weighs every possible draft with these."""
         with torch.no_grad():
-            raw = self.head(hidden)  # type: ignore[operator]
-            prepared = self.circuit.resolve_params(raw, None, check=False)
-            x, _, _ = self._evidence(torch.tensor([c], device=self.circuit.device))
+            first = torch.tensor([c], device=self.circuit.device)
+            prepared = self.circuit.resolve_params(self.head_parameters(hidden, first), None,
+                                                   check=False)
+            x, _, _ = self._evidence(first)
             states = torch.cat([x[:, :1].expand(drafts.shape[0], 1), drafts.to(x.device)], 1)
             return self._conditionals(prepared, states)
 

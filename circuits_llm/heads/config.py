@@ -12,10 +12,11 @@ from enum import Enum
 from typing import Any
 
 #: Bumped whenever the meaning of ``head_config.json`` or the tensor names change. Version 2
-#: added the draft vocabulary and the model fingerprint; version 1 files (neither) still load.
-FORMAT_VERSION = 2
+#: added the draft vocabulary and the model fingerprint, version 3 the verified-token input
+#: (``token_width``); older files (without them) still load.
+FORMAT_VERSION = 3
 #: Every version this library reads.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class HeadVariant(Enum):
@@ -69,6 +70,11 @@ class HeadConfig:
         draft_vocab_size: ``K`` of a compressed draft vocabulary (the circuit's categories; the
             ids are the tensor ``draft_tokens``), or None (the whole vocabulary).
         draft_tokens_sha256: SHA-256 of the draft ids (int64 little-endian), checked on load.
+        token_width: the inner width of the head's verified-token input
+            (:class:`~circuits_llm.heads.token_input.TokenInput`), or None for a head that reads
+            the hidden state only.
+        token_embedding_size: the size ``d_e`` of the input-embedding rows it keeps (with
+            ``token_width``).
         model_fingerprint: the backbone's ``circuits_llm.text.models.config_fingerprint`` the head
             was built for, or None when unknown; a load for another model is refused.
         tensors_sha256: SHA-256 of ``head.safetensors`` as written with this config.
@@ -89,6 +95,8 @@ class HeadConfig:
     dtype: str = "float32"
     draft_vocab_size: int | None = None
     draft_tokens_sha256: str | None = None
+    token_width: int | None = None
+    token_embedding_size: int | None = None
     model_fingerprint: str | None = None
     tensors_sha256: str | None = None
     format_version: int = FORMAT_VERSION
@@ -121,6 +129,15 @@ class HeadConfig:
             if name in raw and (not isinstance(raw[name], int) or isinstance(raw[name], bool)
                                 or raw[name] < 1):
                 raise HeadConfigError(f"{source}: {name} must be an int >= 1, got {raw[name]!r}")
+        for name in ("token_width", "token_embedding_size"):
+            value = raw.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise HeadConfigError(f"{source}: {name} must be null or an int >= 1, got "
+                                      f"{value!r}")
+        if (raw.get("token_width") is None) != (raw.get("token_embedding_size") is None):
+            raise HeadConfigError(f"{source}: token_width and token_embedding_size must be given "
+                                  "together")
         draft = raw.get("draft_vocab_size")
         if draft is not None and (not isinstance(draft, int) or isinstance(draft, bool)
                                   or not 1 <= draft <= raw["vocab_size"]):

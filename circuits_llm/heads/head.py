@@ -16,6 +16,7 @@ from circuits.templates import Architecture
 from circuits_llm.heads.config import HeadConfigError, HeadVariant, parse_variant
 from circuits_llm.heads.kinds import head_kind
 from circuits_llm.heads.projections import FoldShape, FullInputs, LeanInputs, SumProjection
+from circuits_llm.heads.token_input import TokenInput
 from circuits_llm.heads.vocab import check_draft_tokens
 
 
@@ -87,21 +88,27 @@ def canonical_copy(circuit: Circuit) -> Circuit:
 
 
 def parameter_count(variant: HeadVariant, input_units: int, sum_weights: int, hidden_size: int,
-                    vocab_size: int, input_bias: bool = True, lean_rank: int = 8) -> int:
-    """Number of trainable parameters of a head (the frozen LEAN LM head is not counted).
+                    vocab_size: int, input_bias: bool = True, lean_rank: int = 8,
+                    token_width: int = 0, token_embedding_size: int = 0) -> int:
+    """Number of trainable parameters of a head (the frozen LEAN LM head and the frozen token
+    embedding are not counted).
 
     With ``N`` = input units (``sum F*K`` over input folds: ``n`` for FF, ``n r`` for CP / HMM /
     BTree), ``S`` = sum weights (``sum F*K*D`` over sum folds), ``d`` = hidden size, ``V`` = the
     categories of every variable (the vocabulary, or ``K`` for a compressed draft vocabulary):
 
     * FULL: ``N V d + N V [input_bias] + S (d + 1)``;
-    * LEAN: ``2 N d rho + N V [input_bias] + S (d + 1)``.
+    * LEAN: ``2 N d rho + N V [input_bias] + S (d + 1)``;
+
+    plus ``m (2 d + d_e + 1)`` for a head that reads the verified token (:class:`TokenInput` of
+    width ``m = token_width`` over embeddings of size ``d_e``; 0 when ``token_width`` is 0).
     """
     bias = input_units * vocab_size if input_bias else 0
     sums = sum_weights * (hidden_size + 1)
+    token = token_width * (2 * hidden_size + token_embedding_size + 1) if token_width else 0
     if variant is HeadVariant.FULL:
-        return input_units * vocab_size * hidden_size + bias + sums
-    return 2 * input_units * hidden_size * lean_rank + bias + sums
+        return input_units * vocab_size * hidden_size + bias + sums + token
+    return 2 * input_units * hidden_size * lean_rank + bias + sums + token
 
 
 class MTPHead(nn.Module):
@@ -140,6 +147,12 @@ class MTPHead(nn.Module):
     ``q = 0`` to every other id, which the verifier's residual covers (the output law stays the
     LM's).
 
+    Reading the verified token (``token_embedding``, :attr:`reads_token`): the hidden state is
+    first mixed with the input embedding of ``c``, the token ``X_0`` the verifier has just decided
+    (:class:`~circuits_llm.heads.token_input.TokenInput`), as EAGLE / Hydra draft models read it;
+    every map below then reads the mixed state. ``c`` is known when a round drafts, so the
+    decoder stays exact.
+
     Args:
         circuit: the symbolic circuit; a :func:`canonical_copy` is compiled, whose own parameters
             are frozen and unused (the head supplies every fold's parameters). Its variables have
@@ -163,6 +176,13 @@ class MTPHead(nn.Module):
             input units of variables that have several (CP components, HMM states...) so they
             can diverge; variables with one unit (FF) start exactly at the LM head.
         sum_init_std: std of the sum map's initial weights (0: sums start context-free).
+        token_embedding: (V, d_e) the model's input embedding
+            (``model.get_input_embeddings().weight``): the head then reads the verified token
+            ``c`` (the category of ``X_0``) besides the hidden state
+            (:class:`~circuits_llm.heads.token_input.TokenInput`; :attr:`reads_token`). With
+            ``draft_vocab`` only its rows ``draft_vocab`` are kept (a frozen buffer). None: the
+            head reads the hidden state alone.
+        token_width: the inner width ``m`` of that map (default: ``hidden_size``).
         dtype: float32 or float64 for parameters and outputs.
         seed: seeds every random initialisation.
     """
@@ -173,6 +193,7 @@ class MTPHead(nn.Module):
                  draft_vocab: Tensor | Sequence[int] | None = None, input_bias: bool = True,
                  lean_rank: int = 8, identity_init: bool = False, identity_bias: float = 8.0,
                  init_noise: float = 1e-5, sum_init_std: float = 0.0,
+                 token_embedding: Tensor | None = None, token_width: int | None = None,
                  dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size),
@@ -194,6 +215,17 @@ class MTPHead(nn.Module):
             raise HeadConfigError(
                 "the LEAN variant applies the LM head to transformed states: pass lm_head_weight "
                 f"({vocab_size}, {hidden_size}), e.g. model.get_output_embeddings().weight")
+        if token_embedding is not None and (
+                not isinstance(token_embedding, Tensor) or not token_embedding.is_floating_point()
+                or token_embedding.dim() != 2 or token_embedding.shape[0] != vocab_size):
+            got = tuple(token_embedding.shape) if isinstance(token_embedding, Tensor) else \
+                type(token_embedding).__name__
+            raise HeadConfigError(
+                f"token_embedding must be a float tensor of shape (vocab_size, embedding size) = "
+                f"({vocab_size}, d_e), e.g. model.get_input_embeddings().weight; got {got}")
+        if token_width is not None and (not isinstance(token_width, int)
+                                        or isinstance(token_width, bool) or token_width < 1):
+            raise HeadConfigError(f"token_width must be None or an int >= 1, got {token_width!r}")
         tokens = None if draft_vocab is None else check_draft_tokens(draft_vocab, vocab_size)
         #: ``K``: the categories of every circuit variable (``V`` without compression)
         self.draft_vocab_size = vocab_size if tokens is None else int(tokens.numel())
@@ -249,6 +281,14 @@ class MTPHead(nn.Module):
                                      lm_head_weight, lean_rank, generator, dtype)
         self.sums = SumProjection(sums, hidden_size, sum_init_std, identity_init, identity_bias,
                                   generator, dtype)
+        #: the map that mixes the verified token into the hidden state, or None
+        self.token_input: TokenInput | None = None
+        if token_embedding is not None:
+            rows = token_embedding.detach()
+            if tokens is not None:
+                rows = rows.index_select(0, tokens.to(rows.device))
+            self.token_input = TokenInput(rows, hidden_size, token_width or hidden_size,
+                                          generator, dtype)
 
     # ------------------------------------------------------------------ construction by name
     @classmethod
@@ -286,12 +326,37 @@ class MTPHead(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.sums.bias.dtype
 
-    def forward(self, hidden: Tensor) -> dict[str, Tensor]:
+    @property
+    def reads_token(self) -> bool:
+        """Whether the head reads the verified token ``c`` (``X_0``) besides the hidden state:
+        :meth:`forward` then takes ``token``."""
+        return self.token_input is not None
+
+    def _context(self, hidden: Tensor, token: Tensor | None) -> Tensor:
+        """``e_t``, mixed with the token's embedding when the head reads it (checked)."""
+        if self.token_input is None:
+            if token is not None:
+                raise InvalidInputError(
+                    "this head reads the hidden state only (reads_token is False); call it "
+                    "without a token")
+            return hidden
+        if not isinstance(token, Tensor) or token.dtype != torch.long \
+                or tuple(token.shape) != (hidden.shape[0],):
+            got = tuple(token.shape) if isinstance(token, Tensor) else type(token).__name__
+            raise InvalidInputError(
+                f"this head reads the verified token: pass token, a long tensor of shape "
+                f"({hidden.shape[0]},) holding X_0's category (a draft-vocabulary index with a "
+                f"compressed vocabulary), got {got}")
+        return self.token_input(hidden, token.to(hidden.device))
+
+    def forward(self, hidden: Tensor, token: Tensor | None = None) -> dict[str, Tensor]:
         """``hidden`` (B, d) -> raw external parameters of :attr:`circuit` with batch ``B``.
 
         Returns ``{fold name: tensor}`` for every parameterised fold: input folds ``(B, F, K, V)``
         logits (``V`` = :attr:`draft_vocab_size`), sum folds ``(B, F, K, D)`` raw weights.
-        ``hidden`` is cast to the head's dtype.
+        ``hidden`` is cast to the head's dtype. A head that :attr:`reads_token` needs ``token``
+        (B,) long: the category of ``X_0`` (the verified token ``c``; a draft-vocabulary index
+        with a compressed vocabulary); other heads take none.
         """
         if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
             raise InvalidInputError("hidden must be a floating-point torch.Tensor of shape (B, d)")
@@ -299,7 +364,7 @@ class MTPHead(nn.Module):
             raise InvalidInputError(
                 f"hidden must have shape (batch, {self.hidden_size}), got {tuple(hidden.shape)}; "
                 "flatten (batch, time, d) states to (batch * time, d) first")
-        hidden = hidden.to(self.dtype)
+        hidden = self._context(hidden.to(self.dtype), token)
         return {**self.inputs(hidden), **self.sums(hidden)}
 
     def observed_log_parameters(self, hidden: Tensor, targets: Tensor,
@@ -320,6 +385,8 @@ class MTPHead(nn.Module):
 
         The result equals ``circuit.<query>(targets, params=head(hidden))`` for every query that
         only reads input units at observed values, gradients included (exact, float64-tested).
+        A head that :attr:`reads_token` reads ``targets[:, 0]`` (``X_0``, the verified token):
+        it equals ``head(hidden, targets[:, 0])``'s.
         """
         if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() != 2 \
                 or hidden.shape[1] != self.hidden_size:
@@ -336,6 +403,8 @@ class MTPHead(nn.Module):
             raise InvalidInputError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
         hidden = hidden.to(self.dtype)
         targets = targets.to(hidden.device)
+        if self.token_input is not None:  # X_0 is the verified token the head reads
+            hidden = self._context(hidden, targets[:, 0])
         sums = self.circuit.resolve_params(self.sums(hidden), hidden.shape[0])
         picked = self.inputs.target_log_probs(hidden, targets, chunk_rows)
         values = dict(sums.values)
@@ -373,12 +442,15 @@ class MTPHead(nn.Module):
 
     def expected_num_parameters(self) -> int:
         """:func:`parameter_count` evaluated on this head's ``N``, ``S``, ``V``, ``d``."""
+        token = self.token_input
         return parameter_count(self.variant, self.input_units, self.sum_weights, self.hidden_size,
-                               self.draft_vocab_size, self.input_bias, self.lean_rank)
+                               self.draft_vocab_size, self.input_bias, self.lean_rank,
+                               0 if token is None else token.width,
+                               0 if token is None else token.embedding_size)
 
     def extra_repr(self) -> str:
         name = self.architecture or "custom"
         return (f"architecture={name}, window={self.window}, rank={self.rank}, "
                 f"variant={self.variant.value}, hidden_size={self.hidden_size}, "
                 f"vocab_size={self.vocab_size}, draft_vocab_size={self.draft_vocab_size}, "
-                f"parameters={self.num_parameters()}")
+                f"reads_token={self.reads_token}, parameters={self.num_parameters()}")

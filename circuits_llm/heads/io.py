@@ -77,6 +77,9 @@ def head_config(head: MTPHead) -> HeadConfig:
         identity_init=head.identity_init, identity_bias=head.identity_bias, dtype=dtype,
         draft_vocab_size=None if tokens is None else int(tokens.numel()),
         draft_tokens_sha256=None if tokens is None else draft_tokens_sha256(tokens),
+        token_width=None if head.token_input is None else head.token_input.width,
+        token_embedding_size=None if head.token_input is None else
+        head.token_input.embedding_size,
         model_fingerprint=head.model_fingerprint)
 
 
@@ -188,11 +191,14 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
     tokens = _draft_tokens(config, tensors, tensors_path)
     circuit = _rebuild_circuit(config, config_path)
     variant = parse_variant(config.variant)
-    placeholder = None
+    placeholder = embedding = None
     if variant is HeadVariant.LEAN:  # the real frozen LM head comes from the tensor file
         placeholder = torch.zeros(config.vocab_size, config.hidden_size)
+    if config.token_embedding_size is not None:  # so do the token embedding's rows
+        embedding = torch.zeros(config.vocab_size, config.token_embedding_size)
     try:
         head = MTPHead(circuit, config.hidden_size, config.vocab_size, variant, placeholder,
+                       token_embedding=embedding, token_width=config.token_width,
                        draft_vocab=tokens, input_bias=config.input_bias,
                        lean_rank=config.lean_rank, identity_init=config.identity_init,
                        identity_bias=config.identity_bias, dtype=_DTYPES[config.dtype])

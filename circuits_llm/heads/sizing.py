@@ -114,7 +114,8 @@ def fit_head_size(kind: str | None, window: int, hidden_size: int, vocab_size: i
                   variant: HeadVariant, backbone_parameters: int, *, rank: int | None = None,
                   draft_vocab: int | None = None, lean_rank: int = 8, input_bias: bool = True,
                   fraction: float = DEFAULT_HEAD_BUDGET,
-                  circuit: Circuit | None = None) -> HeadSize:
+                  circuit: Circuit | None = None, token_embedding_size: int | None = None
+                  ) -> HeadSize:
     """The rank and draft vocabulary of a head within ``fraction`` of its backbone (see the
     module docstring).
 
@@ -131,6 +132,9 @@ def fit_head_size(kind: str | None, window: int, hidden_size: int, vocab_size: i
         lean_rank, input_bias: as in :class:`~circuits_llm.heads.MTPHead`.
         fraction: the budget, a fraction of ``backbone_parameters`` in ``(0, 1]``.
         circuit: the head's circuit when ``kind`` is None.
+        token_embedding_size: ``d_e`` of the input embedding when the head reads the verified
+            token (a :class:`~circuits_llm.heads.token_input.TokenInput` of width ``d``: its
+            ``d (2 d + d_e + 1)`` parameters count against the budget); None: it does not.
 
     Raises:
         HeadConfigError: bad sizes.
@@ -174,7 +178,9 @@ def fit_head_size(kind: str | None, window: int, hidden_size: int, vocab_size: i
             circuit_sizes(head_kind(kind).circuit(window, r, 2))  # type: ignore[arg-type]
         for k in ks:
             count = parameter_count(variant, units, weights, hidden_size,
-                                    vocab_size if k is None else k, input_bias, lean_rank)
+                                    vocab_size if k is None else k, input_bias, lean_rank,
+                                    0 if token_embedding_size is None else hidden_size,
+                                    token_embedding_size or 0)
             candidates.append(HeadSize(r, k, count, budget, backbone_parameters, float(fraction),
                                        tuple(automatic), tuple(fixed)))
     fitting = [c for c in candidates if c.within_budget]

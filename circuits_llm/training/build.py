@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -31,7 +32,7 @@ from circuits.serialization import load_circuit
 from circuits.symbolic import Circuit
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.heads import HeadConfigError, MTPHead, check_head_circuit
-from circuits_llm.heads.io import head_config
+from circuits_llm.heads.io import DRAFT_TOKENS, head_config, head_tensors, load_head
 from circuits_llm.heads.sizing import HeadBudgetWarning, HeadSize, fit_head_size
 from circuits_llm.heads.vocab import TokenCounts, frequent_tokens
 from circuits_llm.text.models import config_fingerprint
@@ -46,6 +47,51 @@ def lm_head_weight(model: PreTrainedModel) -> Tensor:
         raise TrainingConfigError(
             f"{type(model).__name__} has no (V, d) output embedding matrix to initialise the head")
     return weight
+
+
+def input_embedding_weight(model: PreTrainedModel) -> Tensor:
+    """The model's (V, d_e) input embedding (``model.get_input_embeddings().weight``)."""
+    embeddings = model.get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise TrainingConfigError(
+            f"{type(model).__name__} has no (V, d_e) input embedding matrix for the head's token "
+            "input; train without token_input")
+    return weight
+
+
+def start_from(head: MTPHead, directory: str | Path) -> None:
+    """Copy the tensors of the head saved in ``directory`` into ``head`` (``init_from``).
+
+    Every tensor of the saved head must exist in ``head`` with the same shape (the draft
+    vocabulary included); ``head``'s other tensors (a token input the saved head lacks) keep
+    their initialisation.
+
+    Raises:
+        TrainingConfigError: the directory holds no head, or one that does not fit ``head``.
+    """
+    try:
+        saved = load_head(directory, head.hidden_size, head.vocab_size)
+    except HeadConfigError as error:
+        raise TrainingConfigError(f"init_from: {error}") from None
+    mine, theirs = head_tensors(head), head_tensors(saved)
+    unknown = sorted(set(theirs) - set(mine))
+    wrong = sorted(name for name in set(theirs) & set(mine)
+                   if tuple(theirs[name].shape) != tuple(mine[name].shape))
+    if unknown or wrong:
+        raise TrainingConfigError(
+            f"init_from: the head in {directory} does not fit this run's head (tensors it has "
+            f"that this head lacks: {unknown}; of other shapes: {wrong}); start from a head of "
+            "the same kind, window, rank, variant and draft vocabulary")
+    draft = theirs.get(DRAFT_TOKENS)
+    if draft is not None and not torch.equal(draft.cpu(), mine[DRAFT_TOKENS].cpu()):
+        raise TrainingConfigError(
+            f"init_from: the head in {directory} drafts over another vocabulary than this run's "
+            "(its draft tokens differ: other training data); start from a head trained on the "
+            "same data")
+    with torch.no_grad():
+        for name, value in theirs.items():
+            mine[name].copy_(value)
 
 
 def build_backbone(model: PreTrainedModel, config: HeadTrainingConfig) -> HFBackbone:
@@ -133,6 +179,9 @@ def plan_head(config: HeadTrainingConfig, backbone: HFBackbone) -> HeadPlan:
     """
     vocab = backbone.vocab_size
     total = backbone_parameters(backbone.model)
+    embedding = None  # the token input's parameters count against the budget too
+    if config.token_input:
+        embedding = int(input_embedding_weight(backbone.model).shape[1])
     try:
         circuit = None
         if config.circuit_file is not None:
@@ -142,14 +191,14 @@ def plan_head(config: HeadTrainingConfig, backbone: HFBackbone) -> HeadPlan:
             size = fit_head_size(None, config.window, backbone.hidden_size, vocab, config.variant,
                                  total, draft_vocab=config.draft_vocab or vocab,
                                  lean_rank=config.lean_rank, fraction=config.head_budget,
-                                 circuit=circuit)
+                                 circuit=circuit, token_embedding_size=embedding)
         else:
             assert config.architecture is not None
             kind = getattr(config.architecture, "value", config.architecture)
             size = fit_head_size(str(kind), config.window, backbone.hidden_size, vocab,
                                  config.variant, total, rank=config.rank,
                                  draft_vocab=config.draft_vocab, lean_rank=config.lean_rank,
-                                 fraction=config.head_budget)
+                                 fraction=config.head_budget, token_embedding_size=embedding)
     except (CircuitError, HeadConfigError) as error:
         raise TrainingConfigError(f"cannot build the head: {error}") from None
     plan = HeadPlan(config, size, circuit)
@@ -186,18 +235,23 @@ def build_head(plan: HeadPlan, backbone: HFBackbone, counts: TokenCounts | None 
                                           "counts of its training data; pass counts")
             tokens = frequent_tokens(counts, size.draft_vocab, vocab_size=backbone.vocab_size,
                                      always=always_drafted(backbone.model))
+        embedding = None
+        if config.token_input:
+            embedding = input_embedding_weight(backbone.model).detach().float().cpu()
         if plan.circuit is not None:
             head = MTPHead(plan.circuit, backbone.hidden_size, backbone.vocab_size, config.variant,
                            weight, draft_vocab=tokens, lean_rank=config.lean_rank,
-                           seed=config.seed)
+                           token_embedding=embedding, seed=config.seed)
         else:
             assert config.architecture is not None and size.rank is not None
             head = MTPHead.from_name(config.architecture, config.window, size.rank,
                                      backbone.hidden_size, backbone.vocab_size, config.variant,
                                      weight, draft_vocab=tokens, lean_rank=config.lean_rank,
-                                     seed=config.seed)
+                                     token_embedding=embedding, seed=config.seed)
     except (CircuitError, HeadConfigError) as error:
         raise TrainingConfigError(f"cannot build the head: {error}") from None
+    if config.init_from is not None:
+        start_from(head, config.init_from)
     head.model_fingerprint = config_fingerprint(backbone.model)
     return head.to(backbone.device)
 

@@ -78,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
         architecture=None if args.circuit_file else args.arch,
         circuit_file=str(args.circuit_file) if args.circuit_file else None,
         window=args.window, rank=args.rank, variant=args.variant, lean_rank=args.lean_rank,
+        token_input=args.token_input, init_from=args.init_from,
         draft_vocab=args.draft_vocab, head_budget=args.head_budget,
         lora_layers=args.lora_layers, lora_rank=args.lora_rank, seq_len=args.seq_len,
         batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
@@ -158,6 +159,11 @@ def add_train_head_command(sub: Any) -> None:
                    help="the template's rank (default: the largest of 32..1 within --head-budget)")
     p.add_argument("--variant", choices=("lean", "full"), default=d.variant.value)
     p.add_argument("--lean-rank", type=int, default=d.lean_rank)
+    p.add_argument("--token-input", action="store_true",
+                   help="the head also reads the verified token's embedding (EAGLE / Hydra style)")
+    p.add_argument("--init-from", default=None, metavar="HEAD_DIR",
+                   help="start the head from a saved head's tensors (e.g. RUN_DIR/head); tensors "
+                        "it lacks, such as a new --token-input, keep their initialisation")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="draft over the K most frequent tokens of the training data (default: the "
                         "whole vocabulary up to 8192 tokens, else 8192 or 4096 within the budget)")

@@ -133,6 +133,13 @@ class HeadTrainingConfig:
             4096 when the vocabulary is larger than 8192 (whichever fits ``head_budget``), else
             the whole vocabulary. A circuit file's variables have ``K`` categories (``V`` when
             None).
+        token_input: the head also reads the verified token ``c`` (the model's input embedding of
+            it, mixed into the hidden state: :class:`~circuits_llm.heads.token_input.TokenInput`),
+            as EAGLE / Hydra draft models do.
+        init_from: a head directory (:func:`~circuits_llm.heads.save_head`'s, e.g. an earlier
+            run's ``head/``) whose tensors start this run's head; tensors it lacks (a new token
+            input) keep their initialisation, which leaves the saved head's law unchanged.
+            None: a fresh head.
         head_budget: the most trainable parameters a head gets by default, as a fraction of the
             backbone's; an explicit ``rank`` or ``draft_vocab`` beyond it is kept, with a
             :class:`~circuits_llm.heads.sizing.HeadBudgetWarning` naming the numbers.
@@ -177,6 +184,8 @@ class HeadTrainingConfig:
     variant: HeadVariant = HeadVariant.LEAN
     lean_rank: int = 8
     draft_vocab: int | None = None
+    token_input: bool = False
+    init_from: str | None = None
     head_budget: float = 0.05
     lora_layers: int = 0
     lora_rank: int = 8
@@ -265,6 +274,12 @@ class HeadTrainingConfig:
                 f"self-distilled responses have seq_len - distill_prompt_len = "
                 f"{self.seq_len - self.distill_prompt_len} tokens, fewer than the window "
                 f"{self.window}; raise seq_len or lower distill_prompt_len")
+        if not isinstance(self.token_input, bool):
+            raise TrainingConfigError(f"token_input must be true or false, got "
+                                      f"{self.token_input!r}")
+        if self.init_from is not None and not isinstance(self.init_from, str):
+            raise TrainingConfigError(f"init_from must be None or a head directory path, got "
+                                      f"{self.init_from!r}")
         if not isinstance(self.bf16, bool):
             raise TrainingConfigError(f"bf16 must be true or false, got {self.bf16!r}")
 

@@ -17,7 +17,9 @@ real tokens: inside the sequence and not padding. Eq. 4 normalises per sequence 
 
 where ``N_j`` counts the sequences with ``V_{i,j} > 0`` (the paper's ``N`` whenever every
 sequence has more than ``j`` tokens), and the loss is ``L = sum_j gamma^(j-1) L_j`` with
-``gamma = 0.8`` for ``n <= 8`` and ``0.9`` above.
+``gamma = 0.8`` for ``n <= 8`` and ``0.9`` above. A head that reads the verified token
+(``reads_token``: ``x_{t+1}`` is its input) gets weight 0 on slot 1, which it would learn by
+copying; its ``L_1`` is still reported.
 
 Efficiency: all prefix marginals of all windows come from ONE differentiable bottom-up pass,
 :meth:`circuits.compiled.CompiledCircuit.log_prefix_marginals`, in which the ``n`` prefixes of a
@@ -47,7 +49,7 @@ from torch import Tensor
 
 from circuits.errors import InvalidInputError
 from circuits_llm.heads.vocab import draft_positions
-from circuits_llm.protocols import DraftHead
+from circuits_llm.protocols import DraftHead, draft_parameters
 
 __all__ = [
     "MTPLossOutput", "default_gamma", "mtp_loss", "window_log_conditionals", "window_targets",
@@ -170,7 +172,7 @@ def _log_conditionals(head: DraftHead, hidden: Tensor, tokens: Tensor, mask: Ten
         prepared = observed(flat_hidden, x, chunk_rows)  # each input unit at its target only
         marginals = head.circuit.log_prefix_marginals(torch.zeros_like(x), params=prepared)
     else:
-        params = head(flat_hidden)
+        params = draft_parameters(head, flat_hidden, x[:, 0])
         marginals = head.circuit.log_prefix_marginals(x, params=params)  # (N, n), prefixes share
     cond = torch.cat([marginals[:, :1], marginals[:, 1:] - marginals[:, :-1]], dim=1)
     keep = valid.reshape(-1, window).index_select(0, starts).to(device)
@@ -238,5 +240,7 @@ def mtp_loss(head: DraftHead, hidden: Tensor, tokens: Tensor, mask: Tensor | Non
     mean = torch.where(has, nll / per_seq.clamp_min(1), nll.new_zeros(()))
     slot = mean.sum(0) / has.sum(0).clamp_min(1)  # (n,): L_j
     weights = gamma ** torch.arange(head.window, dtype=slot.dtype, device=slot.device)
+    if getattr(head, "reads_token", False):  # X_0 is the head's own input: nothing to learn
+        weights[0] = 0.0
     return MTPLossOutput(loss=(weights * slot).sum(), nll=slot.detach(),
                          nll_sum=nll.sum(0).detach(), count=per_seq.sum(0), weights=weights)

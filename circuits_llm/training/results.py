@@ -68,9 +68,17 @@ class PositionValidation:
         """Mean over window positions of :attr:`bits`."""
         return self.mean_nll / math.log(2)
 
+    @property
+    def draft_mean_bits(self) -> float:
+        """Mean over positions ``j = 2..n`` of :attr:`bits`: the positions a round drafts (the
+        first is the verifier's token; a head that reads it is not trained on it)."""
+        drafted = self.bits[1:]
+        return sum(drafted) / len(drafted) if drafted else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "nll": list(self.nll), "tokens": list(self.tokens),
-                "bits": list(self.bits), "mean_nll": self.mean_nll, "mean_bits": self.mean_bits}
+                "bits": list(self.bits), "mean_nll": self.mean_nll, "mean_bits": self.mean_bits,
+                "draft_mean_bits": self.draft_mean_bits}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PositionValidation:

@@ -1,0 +1,82 @@
+"""The token the verifier just decided, read by the head: ``e_t`` and ``c`` -> a context ``e'_t``.
+
+A round drafts ``d_1 .. d_{n-1}`` after ``c``, the token the verifier has just emitted; the head
+reads the hidden state ``e_t`` of the position before ``c``. Without this module the head learns
+about ``c`` only through its circuit: conditioning ``X_0 = c`` reweighs the circuit's latent
+units (a rank-``r`` bottleneck; none at all for an FF head, whose positions are independent).
+EAGLE, Hydra and FastMTP feed the drafted-after token to the draft model itself; so does this
+module, before any circuit parameter is computed:
+
+    e'_t = e_t + W_out silu(W_h rms(e_t) + W_c rms(E[c]) + b),
+
+``E`` being the model's input embedding (frozen, only the rows of the head's categories kept),
+``rms`` a parameter-free RMS normalisation (the two inputs live at different scales). ``W_out``
+starts at zero, so a head starts exactly where it would without the token (a trained head can
+be extended and fine-tuned). Every map from ``e'_t`` to circuit parameters is unchanged.
+
+Exactness does not depend on it: ``c`` is known when the round drafts, so the draft law is still
+a function of draft-side quantities only (docs/decoder-exactness.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as nnf
+from torch import Tensor, nn
+
+
+def _rms(x: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class TokenInput(nn.Module):
+    """``(e_t (B, d), category of c (B,) long) -> e'_t (B, d)`` (see the module docstring).
+
+    Args:
+        embedding: (C, d_e) the input-embedding rows of the head's ``C`` categories (the whole
+            vocabulary, or the draft vocabulary's rows), kept as a frozen buffer.
+        hidden_size: ``d``.
+        width: the inner width ``m`` of the mixing map.
+        generator, dtype: the initialisation's generator and the parameters' dtype.
+
+    Parameters: ``hidden_map`` (m, d), ``token_map`` (m, d_e), ``bias`` (m,) drawn
+    ``N(0, 1/fan_in)`` / zero; ``out`` (d, m) zero. Trainable count ``m (d + d_e + 1) + d m``.
+    """
+
+    def __init__(self, embedding: Tensor, hidden_size: int, width: int,
+                 generator: torch.Generator, dtype: torch.dtype) -> None:
+        super().__init__()
+        embed = embedding.shape[1]
+        self.hidden_size = hidden_size
+        self.width = width
+        self.register_buffer("embedding", embedding.detach().to(dtype).clone())
+
+        def draw(*shape: int) -> Tensor:
+            scale = 1.0 / math.sqrt(shape[-1])
+            return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+
+        self.hidden_map = nn.Parameter(draw(width, hidden_size))
+        self.token_map = nn.Parameter(draw(width, embed))
+        self.bias = nn.Parameter(torch.zeros(width, dtype=dtype))
+        self.out = nn.Parameter(torch.zeros(hidden_size, width, dtype=dtype))
+
+    @property
+    def categories(self) -> int:
+        """``C``: the categories the module has an embedding row for."""
+        return int(self.embedding.shape[0])
+
+    @property
+    def embedding_size(self) -> int:
+        """``d_e``: the size of an embedding row."""
+        return int(self.embedding.shape[1])
+
+    def forward(self, hidden: Tensor, token: Tensor) -> Tensor:
+        """``hidden`` (B, d), ``token`` (B,) long categories in ``[0, C)`` -> (B, d)."""
+        mixed = nnf.linear(_rms(hidden), self.hidden_map, self.bias) \
+            + nnf.linear(_rms(self.embedding[token]), self.token_map)
+        return hidden + nnf.linear(nnf.silu(mixed), self.out)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
