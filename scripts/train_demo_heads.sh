@@ -33,8 +33,12 @@ DEVICE=${DEVICE:-cpu}
 THREADS=${THREADS:-1}
 # The sizes of the recipe. On a GPU (DEVICE=cuda...) the defaults are those of the GPU recipe:
 # 8x the self-distilled rows, generated 256 at a time, and 4x the batch, in about 10 minutes.
-# The shipped heads come from it on one H200 with MINUTES=2.4: FF ran its 2,000 steps, BTree
-# stopped at the cap after 1,353 (docs/results.md, section 6, "Retrained on a GPU").
+# The shipped heads come from it on one H200 with MINUTES=2.4 and TOKEN_INPUT=0: FF ran its
+# 2,000 steps, BTree stopped at the cap after 1,353 (docs/results.md, section 6, "Retrained on a
+# GPU"). The shipped FF head then learned to read the verified token on the 2-core CPU, on the
+# same 8,192 rows: TOKEN_INPUT=1 INIT_FF=<the H200 FF run>/head FF_STEPS=600 FF_BATCH=16
+# DISTILL_SAMPLES=8192 DISTILL_BATCH=256 THREADS=2 (0.86 s a step with the cached features,
+# 9 minutes; docs/results.md, section 6, "Heads that read the verified token").
 if [ "${DEVICE%%:*}" = cuda ]; then
   DISTILL_SAMPLES=${DISTILL_SAMPLES:-8192}; DISTILL_BATCH=${DISTILL_BATCH:-256}
   BATCH_SIZE=${BATCH_SIZE:-32}; FF_STEPS=${FF_STEPS:-2000}; BTREE_STEPS=${BTREE_STEPS:-2000}

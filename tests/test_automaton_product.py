@@ -13,8 +13,17 @@ from scipy import stats
 from torch import Tensor
 
 from circuits.automata import REJECT, Automaton
-from circuits.compiled import CompiledCircuit, LogParameters, automaton_lifting, compile
+from circuits.compiled import (
+    CompiledCircuit,
+    LogParameters,
+    automaton_classes,
+    automaton_lifting,
+    automaton_matrices,
+    compile,
+)
+from circuits.compiled.automaton_draw import RightContext
 from circuits.compiled.automaton_product import AutomatonProduct
+from circuits.compiled.folding import FoldKind
 from circuits.errors import InvalidInputError, StructureError
 from circuits.operations import multiply, snapshot
 from circuits.parameterizations import Exp
@@ -439,3 +448,103 @@ def test_lifting_cache_is_keyed_by_table_and_start() -> None:
     assert product._lifting(automaton, 0) is not first
     copy = Automaton(automaton.next_state.clone(), 0)
     assert product._lifting(copy, 1) is not first  # another table
+
+
+def test_column_classes_match_packed_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hashed classes (over all entries, or over the allowed ones only) are the packed
+    labels' partition; colliding hashes (all weights 1: columns with one sum collide) fall back
+    to the packed labels."""
+    generator = torch.Generator().manual_seed(7)
+    def on_host(rows: Tensor, states: int) -> tuple[Tensor, int]:
+        classes, count = automaton_classes.host_column_classes(rows.numpy(), states)
+        return torch.from_numpy(classes), count
+
+    for weight_bound in (automaton_classes._HASH_WEIGHT, 2):
+        monkeypatch.setattr(automaton_classes, "_HASH_WEIGHT", weight_bound)
+        monkeypatch.setattr(automaton_classes, "_WEIGHTS", {})
+        for trial in range(10):
+            states = int(torch.randint(2, 30, (1,), generator=generator))
+            distinct = torch.randint(-1, states, (states, 6), generator=generator)
+            rows = distinct[:, torch.randint(0, 6, (50,), generator=generator)]
+            expected, expected_count = automaton_lifting.category_classes(rows, states)
+            for method in (automaton_classes.column_classes,
+                           automaton_classes.sparse_column_classes, on_host):
+                classes, count = method(rows, states)
+                assert count == expected_count, trial
+                assert torch.equal(classes[:, None] == classes[None],
+                                   expected[:, None] == expected[None])
+
+
+def test_reachable_sets_match_the_automaton() -> None:
+    """The breadth-first search over the table index's successor lists is
+    :meth:`Automaton.reachable`."""
+    for seed in range(5):
+        automaton = random_automaton(6, 5, seed, reject=0.5)
+        index = automaton_lifting.TableIndex.build(automaton, torch.device("cpu"))
+        for start in range(automaton.num_states):
+            found = automaton_lifting._reachable(index.offsets, index.targets, start, 4)
+            expected = automaton.restart(start).reachable(4)
+            assert [f.tolist() for f in found] == [e.tolist() for e in expected]
+
+
+def test_lifted_inputs_apply_as_their_dense_matrices() -> None:
+    """A sparse lifted input applied to shared and per-block vectors (with a unit map) equals its
+    dense matrices applied the same way, and its dense matrices are ``T @ P``'s."""
+    compiled = make_circuit("btree", 4, 3, 5, seed=1)
+    product = AutomatonProduct(compiled)
+    automaton = random_automaton(5, 5, seed=2, reject=0.3)
+    lifting = product._lifting(automaton, 0)
+    linear = automaton_matrices.linear_parameters(product.structure, None)
+    nodes = product.structure.nodes
+    ids = [i for i, node in enumerate(nodes) if node.kind is FoldKind.INPUT]
+    lifted = automaton_matrices.lifted_inputs(product.structure, ids, linear, lifting)
+    generator = torch.Generator().manual_seed(3)
+    for i in ids:
+        node, probs = nodes[i], linear[i]
+        assert probs is not None
+        dense = lifted[i].dense()
+        moves = lifting.moves[node.lo]
+        assert moves is not None
+        expected = torch.zeros_like(dense)  # M[u, a, b] = sum_x p_u(x) [next(a, x) = b]
+        local = moves.local_next()
+        for a in range(local.shape[0]):
+            for x in range(local.shape[1]):
+                if int(local[a, x]) < dense.shape[2]:
+                    expected[:, a, int(local[a, x])] += probs[:, x]
+        torch.testing.assert_close(dense, expected, rtol=0, atol=1e-15)
+        right = torch.rand(dense.shape[2], 3, dtype=torch.float64, generator=generator)
+        torch.testing.assert_close(lifted[i].apply_shared(right),
+                                   torch.einsum("uab,bk->uak", dense, right))
+        index = torch.tensor([2, 0, 0, 1])
+        blocks = torch.rand(4, dense.shape[2], 2, dtype=torch.float64, generator=generator)
+        torch.testing.assert_close(lifted[i].apply_mapped(blocks, index),
+                                   torch.bmm(dense[index], blocks))
+        torch.testing.assert_close(lifted[i].apply_mapped(blocks[:3], None),
+                                   torch.bmm(dense, blocks[:3]))
+
+
+@pytest.mark.parametrize("few", [0.0, 1.0])
+@pytest.mark.parametrize("order", ["pushed", "materialised", "estimated"])
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_draw_is_exact_in_every_evaluation_order(name: str, order: str, few: float,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sums applied to per-unit vectors through their inputs, materialised, or as the flop
+    estimate picks, and the scores computed on every category or on the allowed ones only: the
+    same exact conditionals and draws (eight variables, a deep tree)."""
+    monkeypatch.setattr(automaton_lifting, "FEW_ALLOWED", few)
+    if order != "estimated":
+        cost = 0.0 if order == "pushed" else math.inf
+        monkeypatch.setattr(RightContext, "_push_cost", lambda self, i, k, blocks: cost)
+    compiled = make_circuit(name, 8 if name != "kronecker" else 6, 2, 2, seed=4)
+    automaton = random_automaton(5, 2, seed=6, reject=0.2)
+    product = AutomatonProduct(compiled)
+    xs, law = enumerate_product(compiled, automaton, 1)
+    generator = torch.Generator().manual_seed(8)
+    for m in (1, 2, 3):
+        prefix = xs[int(torch.multinomial(law, 1, generator=generator))][:m]
+        uniforms = torch.rand(xs.shape[1] - m, generator=generator, dtype=torch.float64)
+        result = product.draw(None, automaton, prefix, 1, uniforms=uniforms)
+        values, rows = sequential_reference(xs, law, prefix.tolist(), 2, uniforms)
+        assert result.values[:len(values)].tolist() == values and result.length == len(rows)
+        for k, row in enumerate(rows):
+            torch.testing.assert_close(result.conditionals[k], row, rtol=0, atol=TOLERANCE)

@@ -2,20 +2,22 @@
 
 Every layer ``u`` over ``[i, j)`` gets ``M_u (units, |R_i|, |R_j|)``: ``M_u[a, b]`` is the mass of
 its assignments on which the DFA goes from ``a`` (before ``i``) to ``b`` (after ``j - 1``). An input
-of an unobserved read variable is ``T (|R_i| |R_{i+1}|, C) @ P (C, units)`` with the sparse 0/1
-transitions over the category classes and the class sums ``P`` of its probabilities
-(:class:`~circuits.compiled.automaton_lifting.Lifting`); a sum is ``W @ M``; a product multiplies
-its children's matrices in interval order.
+of an unobserved read variable is a :class:`LiftedInput`: its values at the state pairs its
+transitions connect, ``T (E, C) @ P (C, units)`` with the 0/1 pair-by-class matrix and the class
+sums ``P`` of its probabilities (:class:`~circuits.compiled.automaton_lifting.Transitions`); it is
+applied to vectors as a sparse matrix and made dense only where a caller needs the matrix. A sum is
+``W @ M``; a product multiplies its children's matrices in interval order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from circuits.compiled.automaton_lifting import Lifting
+from circuits.compiled.automaton_lifting import Lifting, Transitions
 from circuits.compiled.automaton_structure import ProductStructure
 from circuits.compiled.folding import FoldKind
 from circuits.compiled.layers import SoftmaxParts
@@ -28,9 +30,9 @@ class Linear:
     """One parameter set in linear space, float64.
 
     Attributes:
-        layers: per layer: an input's ``(K, units)`` probabilities (transposed: a category's
-            units are contiguous), a sum's ``(units, inputs)`` weights, or None (a product).
-        folds: per input fold: its ``(K, F * units)`` probabilities (slot ``s`` is the columns
+        layers: per layer: an input's ``(units, K)`` probabilities, a sum's ``(units, inputs)``
+            weights, or None (a product).
+        folds: per input fold: its ``(F * units, K)`` probabilities (slot ``s`` is the rows
             ``s * units .. (s + 1) * units - 1``); ``layers`` holds views of these.
     """
 
@@ -42,7 +44,8 @@ class Linear:
 
 
 def linear_parameters(structure: ProductStructure, params: ParamsLike | None) -> Linear:
-    """The :class:`Linear` parameters: one ``exp`` per fold.
+    """The :class:`Linear` parameters: one float64 copy and ``exp`` per fold, in the fold's own
+    (contiguous) layout.
 
     Args:
         params: one parameter set: :class:`LogParameters` (batch 1 or the module's own), a raw
@@ -66,63 +69,155 @@ def linear_parameters(structure: ProductStructure, params: ParamsLike | None) ->
                 value = value.log_probs()
             if value.dim() == 4:
                 value = value[0]
-            value = value.detach()
-            if node.kind is FoldKind.INPUT:  # (F, units, K) -> (K, F, units), one copy
-                table = torch.empty((value.shape[2], value.shape[0], value.shape[1]),
-                                    dtype=torch.float64, device=value.device)
-                table.copy_(value.permute(2, 0, 1))
-                folds[node.fold_id] = table.view(table.shape[0], -1)
-            else:
-                table = value.to(torch.float64, copy=True)
             # exponentiated in place: a second allocation costs more than the exp
-            tables[node.fold_id] = table.exp_()
-        table = tables[node.fold_id]
-        layers.append(table[:, node.slot] if node.kind is FoldKind.INPUT else table[node.slot])
+            table = value.detach().to(torch.float64, copy=True).exp_()
+            if node.kind is FoldKind.INPUT:  # (F, units, K)
+                folds[node.fold_id] = table.view(-1, table.shape[-1])
+            tables[node.fold_id] = table
+        layers.append(tables[node.fold_id][node.slot])
     return Linear(layers, folds)
+
+
+def _csr(crow: Tensor, cols: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, cols, values, shape, check_invariants=False)
+
+
+@dataclass(frozen=True)
+class LiftedInput:
+    """The lifted matrices ``M (units, |R_a|, |R_b|)`` of one input layer of a read variable,
+    kept as their values at the pairs its transitions connect.
+
+    Attributes:
+        moves: the variable's transitions (the pairs, as CSR indices).
+        values: (units, E) float64: ``M[u, pair_row[e], pair_col[e]]``.
+    """
+
+    moves: Transitions
+    values: Tensor
+    blocks: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def units(self) -> int:
+        return int(self.values.shape[0])
+
+    def block_indices(self, count: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(crow, stacked_cols, diagonal_cols)`` of ``count`` copies of the pairs: the CSR row
+        pointers of ``count |R_a|`` rows, and the columns stacked (``b``: a ``(count |R_a|,
+        |R_b|)`` matrix) or block-diagonal (``u |R_b| + b`` in copy ``u``: ``(count |R_a|, count
+        |R_b|)``); kept for the draw (not with the transitions, which a cache may hold long)."""
+        found = self.blocks.get(count)
+        if found is None:
+            moves = self.moves
+            device = moves.pair_col.device
+            crow = torch.zeros(count * moves.width_before + 1, dtype=torch.long, device=device)
+            torch.cumsum(moves.row_counts.repeat(count), 0, out=crow[1:])
+            stacked = moves.pair_col.repeat(count)
+            offsets = torch.arange(count, device=device) * moves.width_after
+            diagonal = (moves.pair_col[None] + offsets[:, None]).reshape(-1)
+            found = self.blocks[count] = (crow, stacked, diagonal)
+        return found
+
+    def apply_shared(self, right: Tensor) -> Tensor:
+        """``M[u] @ right`` for every unit: ``right (|R_b|, k)`` -> ``(units, |R_a|, k)``."""
+        moves, units = self.moves, self.units
+        crow, stacked, _ = self.block_indices(units)
+        matrix = _csr(crow, stacked, self.values.reshape(-1),
+                      (units * moves.width_before, moves.width_after))
+        return (matrix @ right).view(units, moves.width_before, right.shape[1])
+
+    def apply_mapped(self, right: Tensor, index: Tensor | None) -> Tensor:
+        """``M[index[j]] @ right[j]`` for every block ``j``: ``right (U, |R_b|, k)`` -> ``(U,
+        |R_a|, k)`` (``index`` None: block ``j`` is unit ``j``)."""
+        moves = self.moves
+        blocks, k = right.shape[0], right.shape[2]
+        crow, _, diagonal = self.block_indices(blocks)
+        values = self.values if index is None else self.values.index_select(0, index)
+        matrix = _csr(crow, diagonal, values.reshape(-1),
+                      (blocks * moves.width_before, blocks * moves.width_after))
+        return (matrix @ right.reshape(-1, k)).view(blocks, moves.width_before, k)
+
+    def dense(self) -> Tensor:
+        """``M`` as a dense ``(units, |R_a|, |R_b|)`` tensor."""
+        moves = self.moves
+        flat = moves.pair_row * moves.width_after + moves.pair_col
+        out = self.values.new_zeros(self.units, moves.width_before * moves.width_after)
+        out.index_copy_(1, flat, self.values)
+        return out.view(self.units, moves.width_before, moves.width_after)
+
+
+def lifted_inputs(structure: ProductStructure, ids: list[int], linear: Linear,
+                  lifting: Lifting) -> dict[int, LiftedInput]:
+    """The :class:`LiftedInput` of the input layers ``ids`` (unobserved read variables): one
+    sparse product ``T @ P`` per run of a fold's consecutive slots that share transitions."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and _extends(structure, lifting, runs[-1][-1], i):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    # per input fold: the class sums (C, rows) of the rows from its first needed slot's on
+    spans: dict[int, tuple[int, int]] = {}
+    for run in runs:
+        node = structure.nodes[run[0]]
+        lo, hi = spans.get(node.fold_id, (node.slot, node.slot + len(run)))
+        spans[node.fold_id] = (min(lo, node.slot), max(hi, node.slot + len(run)))
+    sums: dict[int, tuple[int, Tensor]] = {}
+    result: dict[int, LiftedInput] = {}
+    for run in runs:
+        first = structure.nodes[run[0]]
+        units = first.units
+        moves = lifting.moves[first.lo]
+        assert moves is not None
+        if first.fold_id not in sums:
+            lo, hi = spans[first.fold_id]
+            sums[first.fold_id] = (lo * units, lifting.class_sums(
+                linear.folds[first.fold_id][lo * units:hi * units]))
+        offset, table = sums[first.fold_id]
+        block = table[:, first.slot * units - offset:(first.slot + len(run)) * units - offset]
+        values = (moves.matrix @ block).T.contiguous()  # (len(run) * units, E)
+        for k, i in enumerate(run):
+            result[i] = LiftedInput(moves, values[k * units:(k + 1) * units])
+    return result
 
 
 def input_matrices(structure: ProductStructure, ids: list[int], linear: Linear, lifting: Lifting,
                    values: Tensor, observed: Tensor) -> dict[int, Tensor]:
-    """``M (units, |R_v|, |R_{v+1}|)`` of the input layers ``ids``.
+    """Dense ``M (units, |R_v|, |R_{v+1}|)`` of the input layers ``ids``.
 
     A variable that is not read gives the identity times ``sum_x p_u(x)`` (``p_u(x)`` when
-    observed); an observed read one ``p_u(x)`` at its moves; an unobserved read one the sparse
-    product ``T @ P`` of its transitions with its class sums, taken for whole folds at once.
+    observed); an observed read one ``p_u(x)`` at its moves; an unobserved read one its
+    :class:`LiftedInput` made dense.
     """
     result: dict[int, Tensor] = {}
-    runs: list[list[int]] = []  # unobserved read inputs, in runs of one fold, moves, next slots
+    unobserved: list[int] = []
     for i in ids:
         node, probs = structure.nodes[i], linear[i]
         assert probs is not None
         v, moves = node.lo, lifting.moves[node.lo]
-        if moves is None:  # not read: the identity
-            scale = probs[int(values[v])] if bool(observed[v]) else probs.sum(0)
-            eye = torch.eye(lifting.width(v), dtype=torch.float64, device=probs.device)
-            result[i] = scale[:, None, None] * eye
-        elif bool(observed[v]):
-            x = int(values[v])
-            hits = moves.local_next[:, x, None] == torch.arange(
-                lifting.width(v + 1), device=probs.device)
-            result[i] = probs[x][:, None, None] * hits
-        elif runs and _extends(structure, lifting, runs[-1][-1], i):
-            runs[-1].append(i)
+        if moves is None or bool(observed[v]):
+            result[i] = observed_matrix(probs, lifting, v, int(values[v]) if bool(observed[v])
+                                        else None)
         else:
-            runs.append([i])
-    sums: dict[int, Tensor] = {}  # per input fold: (C, F * units) class sums
-    for run in runs:
-        first, units = structure.nodes[run[0]], structure.nodes[run[0]].units
-        moves = lifting.moves[first.lo]
-        assert moves is not None
-        if first.fold_id not in sums:
-            sums[first.fold_id] = lifting.class_sums(linear.folds[first.fold_id])
-        block = sums[first.fold_id][:, first.slot * units:(first.slot + len(run)) * units]
-        # (len(run) * units, |R_v| |R_{v+1}|), contiguous for the batched products above it
-        product = (moves.matrix @ block).T.contiguous()
-        for k, i in enumerate(run):
-            node = structure.nodes[i]
-            result[i] = product[k * units:(k + 1) * units].reshape(
-                units, lifting.width(node.lo), lifting.width(node.hi))
+            unobserved.append(i)
+    for i, lifted in lifted_inputs(structure, unobserved, linear, lifting).items():
+        result[i] = lifted.dense()
     return result
+
+
+def observed_matrix(probs: Tensor, lifting: Lifting, v: int, x: int | None) -> Tensor:
+    """``M (units, |R_v|, |R_{v+1}|)`` of an input ``probs (units, K)`` of variable ``v``
+    observed at ``x``, or of a variable that is not read (``x`` None: unobserved)."""
+    moves = lifting.moves[v]
+    if moves is None:  # not read: the identity
+        scale = probs.sum(1) if x is None else probs[:, x]
+        eye = torch.eye(lifting.width(v), dtype=torch.float64, device=probs.device)
+        return scale[:, None, None] * eye
+    assert x is not None
+    hits = moves.next_column(x)[:, None] == torch.arange(lifting.width(v + 1),
+                                                         device=probs.device)
+    return probs[:, x][:, None, None] * hits
 
 
 def _extends(structure: ProductStructure, lifting: Lifting, last: int, i: int) -> bool:
@@ -150,7 +245,8 @@ def combine(structure: ProductStructure, i: int, mats: dict[int, Tensor], linear
 
 def lifted_matrices(structure: ProductStructure, ids: list[int], linear: Linear, lifting: Lifting,
                     values: Tensor, observed: Tensor) -> dict[int, Tensor]:
-    """The lifted matrices of layers ``ids`` (a set closed under children, children first)."""
+    """The dense lifted matrices of layers ``ids`` (a set closed under children, children
+    first)."""
     inputs = [i for i in ids if structure.nodes[i].kind is FoldKind.INPUT]
     mats = input_matrices(structure, inputs, linear, lifting, values, observed)
     for i in ids:
@@ -159,4 +255,13 @@ def lifted_matrices(structure: ProductStructure, ids: list[int], linear: Linear,
     return mats
 
 
-__all__ = ["Linear", "combine", "input_matrices", "lifted_matrices", "linear_parameters"]
+__all__ = [
+    "LiftedInput",
+    "Linear",
+    "combine",
+    "input_matrices",
+    "lifted_inputs",
+    "lifted_matrices",
+    "linear_parameters",
+    "observed_matrix",
+]

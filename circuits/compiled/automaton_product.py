@@ -34,17 +34,20 @@ where ``R_t`` are the states reachable from ``start`` after the variables before
 (:meth:`Automaton.reachable <circuits.automata.Automaton.reachable>`), except that the states
 after the last variable are merged into one (only ``sum_b`` of them is ever needed, so the layers
 ending with the last variable keep vectors); :meth:`AutomatonProduct.size` is the number of
-entries. The input matrices of unobserved variables are one sparse product
-``T (|R_i| |R_{i+1}|, C) @ P (C, units)`` with the 0/1 transition matrix ``T`` over the ``C``
-category classes (categories that move every reachable state alike) and the class sums ``P`` of
-the probabilities. Everything is float64 in linear space: the entries are probabilities of at most
-``n`` variables' assignments, so windows of a few tens of variables do not underflow.
+entries. The input matrices of unobserved variables are sparse: their values at the state pairs
+some category connects are one sparse product ``T (E, C) @ P (C, units)`` with the 0/1 pair-by-class
+matrix ``T`` over the ``C`` category classes (categories that move every reachable state alike)
+and the class sums ``P`` of the probabilities. Everything is float64 in linear space: the entries
+are probabilities of at most ``n`` variables' assignments, so windows of a few tens of variables
+do not underflow.
 
 Layout: :mod:`~circuits.compiled.automaton_structure` checks the interval structure,
+:mod:`~circuits.compiled.automaton_classes` finds category classes,
 :mod:`~circuits.compiled.automaton_lifting` holds the automaton side (state sets, classes,
 transitions; cached per table, start state and first read variable),
-:mod:`~circuits.compiled.automaton_matrices` the bottom-up lifted matrices, and this module the
-conditionals and the draw.
+:mod:`~circuits.compiled.automaton_matrices` the lifted matrices,
+:mod:`~circuits.compiled.automaton_draw` the sequential draw, and this module the conditionals
+and the entry points.
 
 Conditionals. ``Z`` is linear in the matrices of the input units of any one variable ``v`` (each
 term of a decomposable circuit holds exactly one of them), so ``q(x_v = x, evidence) = sum_u
@@ -53,7 +56,8 @@ one top-down pass along the layers that contain ``v``. :meth:`AutomatonProduct.d
 ``x_m, ..., x_{n-1}`` one after the other from these conditionals given all earlier values; there
 the states before each drawn variable are known, so every top-down quantity is one row of a matrix
 (a vector over exit states), the layers left of the drawn variable are plain circuit values, and
-the layers right of it keep the matrices computed once at the start.
+the layers right of it are applied to those rows right to left, never multiplied out into
+``|R|^3`` matrix products unless that is cheaper (:mod:`~circuits.compiled.automaton_draw`).
 """
 
 from __future__ import annotations
@@ -64,9 +68,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits.automata import REJECT, Automaton
+from circuits.automata import Automaton
+from circuits.compiled.automaton_draw import SequentialDraw
 from circuits.compiled.automaton_lifting import Lifting, LiftingCache, Transitions
-from circuits.compiled.automaton_matrices import Linear, lifted_matrices, linear_parameters
+from circuits.compiled.automaton_matrices import lifted_matrices, linear_parameters
 from circuits.compiled.automaton_structure import SUPPORTED_SHAPES, ProductStructure
 from circuits.compiled.circuit import CompiledCircuit
 from circuits.compiled.folding import FoldKind
@@ -117,6 +122,12 @@ class AutomatonProduct:
 
     def _lifting(self, automaton: Automaton, consume_from: int) -> Lifting:
         return self._liftings.get(automaton, consume_from)
+
+    def prepare(self, automaton: Automaton) -> None:
+        """Build now what every start state of ``automaton``'s table shares (its category
+        classes and successor lists, :class:`~circuits.compiled.automaton_lifting.TableIndex`),
+        which the first :meth:`draw` or :meth:`conditional` would build otherwise."""
+        self._liftings.index(automaton)
 
     def size(self, automaton: Automaton, consume_from: int = 0) -> int:
         """The lifted product's size: ``sum`` over layers of ``units * |R_lo| * |R_hi|``
@@ -239,131 +250,14 @@ class AutomatonProduct:
             raise InvalidInputError(f"uniforms must be a 1-D tensor of {n - m} values in [0, 1)")
         tape = None if uniforms is None else uniforms.tolist()
         conditionals = torch.zeros(n - m, size, dtype=torch.float64, device=device)
-        result_size = self._size(lifting)
-        drawn = prefix.tolist()
         with torch.no_grad():
             linear = linear_parameters(self.structure, params)
-            done: dict[int, Tensor] = {}  # the circuit values (units,) of completed layers
-            state = 0  # local index of the state before the next variable
-            for v in range(m):
-                state = _advance(lifting, v, state, drawn[v])
-                if state < 0:
-                    return ProductDraw(values, conditionals, 0, result_size)
-                self._complete(v, drawn[v], done, linear)
-            nodes = self.structure.nodes
-            right = [i for i in range(len(nodes)) if nodes[i].lo > m]
-            mats = lifted_matrices(self.structure, right, linear, lifting, values, observed)
-            suffixes: dict[tuple[int, int], Tensor] = {}
-            rows: dict[int, Tensor] = {}  # the top-down rows of the layers entered so far
-            length = 0
-            for v in range(m, n):
-                score = self._row_score(v, state, done, mats, suffixes, rows, linear, lifting)
-                total = float(score.sum())
-                if not total > 0:
-                    break
-                conditional = torch.div(score, total, out=conditionals[v - m])
-                x = _pick(conditional, None if tape is None else tape[v - m], choose)
-                drawn.append(x)
-                state = _advance(lifting, v, state, x)
-                self._complete(v, x, done, linear)
-                length += 1
-        values[m:m + length] = torch.tensor(drawn[m:], dtype=torch.long, device=device)
-        return ProductDraw(values, conditionals, length, result_size)
-
-    def _complete(self, v: int, x: int, done: dict[int, Tensor], linear: Linear) -> None:
-        """The circuit values of the layers whose interval ends at variable ``v = x``."""
-        structure = self.structure
-        for i in structure.ending[v]:
-            node, param = structure.nodes[i], linear[i]
-            if node.kind is FoldKind.INPUT:
-                assert param is not None
-                done[i] = param[x]
-            elif node.kind is FoldKind.SUM:
-                assert param is not None
-                done[i] = param @ (done[node.children[0]] if len(node.children) == 1
-                                   else torch.cat([done[c] for c in node.children]))
-            else:
-                value = structure.gathered(node, 0, done)
-                for t in range(1, len(node.children)):
-                    value = value * structure.gathered(node, t, done)
-                done[i] = value
-
-    def _suffix(self, i: int, t: int, mats: dict[int, Tensor],
-                suffixes: dict[tuple[int, int], Tensor]) -> Tensor:
-        """The product of product ``i``'s children after ``t``, per unit (cached)."""
-        key = (i, t)
-        if key not in suffixes:
-            node = self.structure.nodes[i]
-            head = self.structure.gathered(node, t + 1, mats)
-            last = len(node.children) - 1
-            suffixes[key] = head if t + 1 == last else torch.bmm(head, self._suffix(i, t + 1, mats,
-                                                                                   suffixes))
-        return suffixes[key]
-
-    def _row_score(self, v: int, state: int, done: dict[int, Tensor], mats: dict[int, Tensor],
-                   suffixes: dict[tuple[int, int], Tensor], rows: dict[int, Tensor],
-                   linear: Linear, lifting: Lifting) -> Tensor:
-        """``q(x_{<v}, x_v = x)`` (right of ``v`` summed out) for every ``x``: (K,).
-
-        Top-down along the layers containing ``v``: ``rows[i]`` (units, |R_hi|) is ``dZ`` by the
-        row of layer ``i``'s matrices at its (known) entry state. It depends only on the values
-        before ``lo`` and the matrices right of ``hi``, so it stays the same for every ``v`` in
-        ``[lo, hi)``: ``rows`` keeps the rows of earlier steps (pass one dict per draw), and a
-        step computes those of the layers it enters (``_pending`` collects the contributions of
-        their parents).
-        """
-        structure = self.structure
-        device = self.circuit.device
-        if not rows:
-            rows[structure.root] = torch.ones(1, lifting.width(self.num_variables),
-                                              dtype=torch.float64, device=device)
-        pending: dict[int, Tensor] = {}
-        score: Tensor | None = None
-        for i in structure.containing[v]:
-            row = rows.get(i)
-            if row is None:
-                row = pending.pop(i, None)
-                if row is None:
-                    continue
-                rows[i] = row
-            node = structure.nodes[i]
-            param = linear[i]
-            if node.kind is FoldKind.INPUT:
-                assert param is not None
-                moves = lifting.moves[v]
-                if moves is None:
-                    part = param @ row[:, state]
-                else:  # gather rows of the (small) transposed row, then one product per unit
-                    padded = torch.cat([row, row.new_zeros(row.shape[0], 1)], 1).T.contiguous()
-                    part = padded.index_select(0, moves.local_next[state]).mul_(param).sum(1)
-                score = part if score is None else score + part
-            elif node.kind is FoldKind.SUM:
-                assert param is not None
-                for child, offset in zip(node.children, node.offsets, strict=True):
-                    if child not in rows:
-                        width = structure.nodes[child].units
-                        _add(pending, child, param[:, offset:offset + width].T @ row)
-            else:
-                t = structure.path_child[(i, v)]
-                if node.children[t] in rows:
-                    continue
-                if t + 1 < len(node.children):
-                    row = torch.bmm(self._suffix(i, t, mats, suffixes), row[:, :, None])[:, :, 0]
-                for left in range(t):
-                    row = row * structure.gathered(node, left, done)[:, None]
-                _add(pending, node.children[t], structure.to_child(node, t, row))
-        if score is None:
-            return torch.zeros(self.num_categories, dtype=torch.float64, device=device)
-        return score
-
-
-def _advance(lifting: Lifting, v: int, state: int, x: int) -> int:
-    """The local state after variable ``v = x`` (REJECT when not allowed)."""
-    moves = lifting.moves[v]
-    if moves is None:
-        return state
-    after = int(moves.local_next[state, x])
-    return REJECT if after == lifting.width(v + 1) else after
+            sequence = SequentialDraw(self.structure, linear, lifting, prefix.tolist())
+            length = sequence.run(conditionals, lambda conditional, k: _pick(
+                conditional, None if tape is None else tape[k], choose))
+        values[m:m + length] = torch.tensor(sequence.drawn[m:m + length], dtype=torch.long,
+                                            device=device)
+        return ProductDraw(values, conditionals, length, self._size(lifting))
 
 
 def _pick(conditional: Tensor, uniform: float | None,
@@ -393,14 +287,15 @@ def _add(into: dict[int, Tensor], key: int, value: Tensor) -> None:
 
 
 def _input_score(probs: Tensor | None, grad: Tensor, moves: Transitions | None) -> Tensor:
-    """``sum_{u, a} grad[u, a, next(a, x)] p_u(x)`` for every ``x``: (K,); ``probs`` (K, units)."""
+    """``sum_{u, a} grad[u, a, next(a, x)] p_u(x)`` for every ``x``: (K,); ``probs`` (units, K)."""
     assert probs is not None
     if moves is None:
-        return probs @ grad.diagonal(dim1=1, dim2=2).sum(-1)
+        return grad.diagonal(dim1=1, dim2=2).sum(-1) @ probs
     units, rows = grad.shape[:2]
     padded = torch.cat([grad, grad.new_zeros(units, rows, 1)], 2)
-    index = moves.local_next[None].expand(units, *moves.local_next.shape)
-    return (padded.gather(2, index).sum(1) * probs.T).sum(0)
+    local_next = moves.local_next()
+    index = local_next[None].expand(units, *local_next.shape)
+    return (padded.gather(2, index).sum(1) * probs).sum(0)
 
 
 def _normalised(score: Tensor) -> Tensor:

@@ -64,6 +64,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _head_names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip().lower() for name in text.split(",") if name.strip())
+
+
 def _probability(text: str) -> float:
     try:
         value = float(text)
@@ -137,8 +141,9 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--rank", type=_positive_int)
     tuning.add_argument("--variant", choices=("lean", "full"))
     tuning.add_argument("--lora-layers", type=_non_negative_int)
-    tuning.add_argument("--token-input", action=argparse.BooleanOptionalAction, default=None,
-                        help="heads that also read the verified token's embedding")
+    tuning.add_argument("--token-input", type=_head_names, metavar="HEADS",
+                        help="comma-separated head kinds whose heads also read the verified "
+                             "token's embedding (e.g. ff,btree; '' for none)")
     tuning.add_argument("--draft-confidence", type=_probability, metavar="TAU",
                         help="verify only the drafts the head is this confident in (exact)")
     tuning.add_argument("--train-steps", type=_positive_int)
@@ -163,6 +168,10 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
     config = replace(base, seed=args.seed, compile=base.compile or args.compile, **changes)
     if config.window < 2:
         raise DemoError(f"--window must be >= 2 (one known token plus drafts), got {config.window}")
+    unknown = sorted(set(config.token_input) - set(config.heads))
+    if unknown:
+        raise DemoError(f"--token-input names {', '.join(unknown)}, which this command does not "
+                        f"train; choose among {', '.join(config.heads)}")
     if config.prompt_bytes < 2:
         raise DemoError(f"--prompt-bytes must be >= 2, got {config.prompt_bytes}")
     return config

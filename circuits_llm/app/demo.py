@@ -78,8 +78,8 @@ class ComparisonConfig:
         rank: circuit rank of non-FF heads (FF heads always have rank 1).
         variant: ``"lean"`` or ``"full"`` head parameterisation.
         lora_layers: decoder layers in the LoRA draft branch (0: heads read the final hidden state).
-        token_input: heads that also read the verified token's embedding
-            (:class:`~circuits_llm.heads.token_input.TokenInput`).
+        token_input: the head architectures (names in ``heads``) whose heads also read the
+            verified token's embedding (:class:`~circuits_llm.heads.token_input.TokenInput`).
         draft_confidence: every speculative decoder verifies only the drafts its head is
             confident in (``DraftLength.confident(draft_confidence)``, exact); None: every round
             verifies the whole window.
@@ -113,7 +113,7 @@ class ComparisonConfig:
     rank: int = 32
     variant: str = "lean"
     lora_layers: int = 0
-    token_input: bool = False
+    token_input: tuple[str, ...] = ()
     draft_confidence: float | None = None
     draft_vocab: int | None = None
     train_steps: int = 5000
@@ -135,10 +135,13 @@ class ComparisonConfig:
     def demo(cls, quick: bool = False) -> ComparisonConfig:
         """``demo`` defaults, chosen for SmolLM2-135M on a 2-core CPU (docs/tutorial-llm.md,
         section 10): window 8, BTree rank 16, LEAN heads over a 4,096-token draft vocabulary,
-        self-distilled training data; quick: fewer prompts and tokens, and (when no head is
-        cached or shipped) a shorter training."""
-        full = cls(window=8, rank=16, draft_vocab=4096, train_seq_len=128, train_batch_size=8,
-                   self_distill=True, prompts=6, new_tokens=128)
+        the FF head reading the verified token (docs/results.md section 6), self-distilled
+        training data, rounds that verify only the drafts the head is at least 30% confident
+        in (a verify block costs more per token on a CPU); quick: fewer prompts and tokens,
+        and (when no head is cached or shipped) a shorter training."""
+        full = cls(window=8, rank=16, draft_vocab=4096, token_input=("ff",), draft_confidence=0.3,
+                   train_seq_len=128, train_batch_size=8, self_distill=True, prompts=6,
+                   new_tokens=128)
         if quick:
             return replace(full, train_steps=400, train_seconds=90.0, distill_samples=64,
                            prompts=2, new_tokens=64)
@@ -174,7 +177,7 @@ def training_config(config: ComparisonConfig, architecture: str) -> Any:
     options: dict[str, Any] = {}
     if config.draft_vocab is not None:
         options["draft_vocab"] = config.draft_vocab
-    if config.token_input:
+    if architecture in config.token_input:
         options["token_input"] = True
     if config.self_distill:
         samples = min(config.distill_samples, config.train_steps * config.train_batch_size)

@@ -199,14 +199,18 @@ class TokenAutomaton:
 
         The verifier sets the logits outside the mask to -inf.
         """
+        cached = self._masks.get((state, str(device)))  # a state met before: one lookup
+        if cached is not None:
+            return cached
         state = self._check_state(state)
         key = (state, str(torch.device(device)))
         cached = self._masks.get(key)
         if cached is None:
-            cached = torch.zeros(self.vocab_size, dtype=torch.bool)
-            cached[self.allowed(state)] = True
-            cached = cached.to(device)
+            allowed = np.zeros(self.vocab_size, dtype=np.bool_)
+            allowed[self._tokens[state]] = True
+            cached = torch.from_numpy(allowed).to(device)
             self._masks[key] = cached
+        self._masks[(state, str(device))] = cached
         return cached
 
     def advance(self, state: int, token: int | Tensor) -> int:

@@ -126,11 +126,13 @@ class ConstraintTracker:
         states = [self.state]
         allowed = True
         for token in drafts:
-            if allowed and bool(self.automaton.mask(states[-1])[token]):
-                states.append(self.automaton.advance(states[-1], token))
-            else:
-                allowed = False
-                states.append(states[-1])
+            if allowed:
+                try:
+                    states.append(self.automaton.advance(states[-1], token))
+                    continue
+                except ConstraintError:  # not allowed: the rows after it are never read
+                    allowed = False
+            states.append(states[-1])
         return states
 
     def masked(self, logits: Tensor, drafts: list[int]) -> Tensor:
@@ -139,7 +141,7 @@ class ConstraintTracker:
         start = time.perf_counter()
         states = self.states_along(drafts)[:logits.shape[0]]
         mask = torch.stack([self.automaton.mask(s, logits.device) for s in states])
-        out = logits.masked_fill(~mask, float("-inf"))
+        out = torch.where(mask, logits, logits.new_tensor(float("-inf")))
         self.pending += time.perf_counter() - start
         return out
 
@@ -150,7 +152,9 @@ class ProductDrafter:
     Built once per (head, automaton): the automaton restricted to the head's draft vocabulary as
     one :class:`~circuits.automata.Automaton` over all its states plus the free sink (see the
     module docstring), restarted at the current state every round; the product prunes it to
-    the states reachable within the window.
+    the states reachable within the window. What every start state shares (the table's
+    category classes and successor lists) is built here, once
+    (:meth:`AutomatonProduct.prepare <circuits.compiled.automaton_product.AutomatonProduct.prepare>`).
 
     Args:
         head: the draft head (``circuit``, ``window``, ``draft_tokens``, ``vocab_size``).
@@ -178,6 +182,7 @@ class ProductDrafter:
         self.local = {s: s for s in range(automaton.num_states)}
         self.sink = sink
         self.table = Automaton(local.to(device), 0)
+        self.product.prepare(self.table)
         self.device = device
         self.last_size = 0
         #: seconds it took to build the drafter (once per head and automaton)
