@@ -16,7 +16,7 @@ from circuits.templates import Architecture
 from circuits_llm.heads.config import HeadConfigError, HeadVariant, parse_variant
 from circuits_llm.heads.kinds import head_kind
 from circuits_llm.heads.projections import FoldShape, FullInputs, LeanInputs, SumProjection
-from circuits_llm.heads.token_input import TokenInput
+from circuits_llm.heads.token_input import TokenInput, check_token_options, mix_token
 from circuits_llm.heads.vocab import check_draft_tokens
 
 
@@ -215,17 +215,7 @@ class MTPHead(nn.Module):
             raise HeadConfigError(
                 "the LEAN variant applies the LM head to transformed states: pass lm_head_weight "
                 f"({vocab_size}, {hidden_size}), e.g. model.get_output_embeddings().weight")
-        if token_embedding is not None and (
-                not isinstance(token_embedding, Tensor) or not token_embedding.is_floating_point()
-                or token_embedding.dim() != 2 or token_embedding.shape[0] != vocab_size):
-            got = tuple(token_embedding.shape) if isinstance(token_embedding, Tensor) else \
-                type(token_embedding).__name__
-            raise HeadConfigError(
-                f"token_embedding must be a float tensor of shape (vocab_size, embedding size) = "
-                f"({vocab_size}, d_e), e.g. model.get_input_embeddings().weight; got {got}")
-        if token_width is not None and (not isinstance(token_width, int)
-                                        or isinstance(token_width, bool) or token_width < 1):
-            raise HeadConfigError(f"token_width must be None or an int >= 1, got {token_width!r}")
+        check_token_options(token_embedding, token_width, vocab_size)
         tokens = None if draft_vocab is None else check_draft_tokens(draft_vocab, vocab_size)
         #: ``K``: the categories of every circuit variable (``V`` without compression)
         self.draft_vocab_size = vocab_size if tokens is None else int(tokens.numel())
@@ -332,23 +322,6 @@ class MTPHead(nn.Module):
         :meth:`forward` then takes ``token``."""
         return self.token_input is not None
 
-    def _context(self, hidden: Tensor, token: Tensor | None) -> Tensor:
-        """``e_t``, mixed with the token's embedding when the head reads it (checked)."""
-        if self.token_input is None:
-            if token is not None:
-                raise InvalidInputError(
-                    "this head reads the hidden state only (reads_token is False); call it "
-                    "without a token")
-            return hidden
-        if not isinstance(token, Tensor) or token.dtype != torch.long \
-                or tuple(token.shape) != (hidden.shape[0],):
-            got = tuple(token.shape) if isinstance(token, Tensor) else type(token).__name__
-            raise InvalidInputError(
-                f"this head reads the verified token: pass token, a long tensor of shape "
-                f"({hidden.shape[0]},) holding X_0's category (a draft-vocabulary index with a "
-                f"compressed vocabulary), got {got}")
-        return self.token_input(hidden, token.to(hidden.device))
-
     def forward(self, hidden: Tensor, token: Tensor | None = None) -> dict[str, Tensor]:
         """``hidden`` (B, d) -> raw external parameters of :attr:`circuit` with batch ``B``.
 
@@ -364,7 +337,7 @@ class MTPHead(nn.Module):
             raise InvalidInputError(
                 f"hidden must have shape (batch, {self.hidden_size}), got {tuple(hidden.shape)}; "
                 "flatten (batch, time, d) states to (batch * time, d) first")
-        hidden = self._context(hidden.to(self.dtype), token)
+        hidden = mix_token(self.token_input, hidden.to(self.dtype), token)
         return {**self.inputs(hidden), **self.sums(hidden)}
 
     def observed_log_parameters(self, hidden: Tensor, targets: Tensor,
@@ -404,7 +377,7 @@ class MTPHead(nn.Module):
         hidden = hidden.to(self.dtype)
         targets = targets.to(hidden.device)
         if self.token_input is not None:  # X_0 is the verified token the head reads
-            hidden = self._context(hidden, targets[:, 0])
+            hidden = mix_token(self.token_input, hidden, targets[:, 0])
         sums = self.circuit.resolve_params(self.sums(hidden), hidden.shape[0])
         picked = self.inputs.target_log_probs(hidden, targets, chunk_rows)
         values = dict(sums.values)

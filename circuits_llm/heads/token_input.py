@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as nnf
 from torch import Tensor, nn
 
+from circuits.errors import InvalidInputError
+from circuits_llm.heads.config import HeadConfigError
+
 
 def _rms(x: Tensor) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -80,3 +83,36 @@ class TokenInput(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def check_token_options(embedding: object, width: object, vocab_size: int) -> None:
+    """Refuse, in one :class:`~circuits_llm.heads.HeadConfigError`, a token embedding that is not
+    a float ``(vocab_size, d_e)`` tensor or a width that is not None or an int >= 1."""
+    if embedding is not None and (
+            not isinstance(embedding, Tensor) or not embedding.is_floating_point()
+            or embedding.dim() != 2 or embedding.shape[0] != vocab_size):
+        got = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
+        raise HeadConfigError(
+            f"token_embedding must be a float tensor of shape (vocab_size, embedding size) = "
+            f"({vocab_size}, d_e), e.g. model.get_input_embeddings().weight; got {got}")
+    if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
+        raise HeadConfigError(f"token_width must be None or an int >= 1, got {width!r}")
+
+
+def mix_token(module: TokenInput | None, hidden: Tensor, token: Tensor | None) -> Tensor:
+    """``hidden`` (B, d) as a head's maps read it: mixed with ``token`` (B,) long by ``module``
+    when the head reads the token, else unchanged. A missing, misshapen or unexpected ``token``
+    is one :class:`~circuits.errors.InvalidInputError`."""
+    if module is None:
+        if token is not None:
+            raise InvalidInputError("this head reads the hidden state only (reads_token is "
+                                    "False); call it without a token")
+        return hidden
+    if not isinstance(token, Tensor) or token.dtype != torch.long \
+            or tuple(token.shape) != (hidden.shape[0],):
+        got = tuple(token.shape) if isinstance(token, Tensor) else type(token).__name__
+        raise InvalidInputError(
+            f"this head reads the verified token: pass token, a long tensor of shape "
+            f"({hidden.shape[0]},) holding X_0's category (a draft-vocabulary index with a "
+            f"compressed vocabulary), got {got}")
+    return module(hidden, token.to(hidden.device))
