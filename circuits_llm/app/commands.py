@@ -72,9 +72,9 @@ def _probability(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text}")
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
     return value
 
 
@@ -145,7 +145,8 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
                         help="comma-separated head kinds whose heads also read the verified "
                              "token's embedding (e.g. ff,btree; '' for none)")
     tuning.add_argument("--draft-confidence", type=_probability, metavar="TAU",
-                        help="verify only the drafts the head is this confident in (exact)")
+                        help="verify only the drafts the head is this confident in (exact; "
+                             "0: every draft)")
     tuning.add_argument("--train-steps", type=_positive_int)
     tuning.add_argument("--train-seconds", type=_positive_float,
                         help="training budget of all heads together (FF gets 1/5 of a BTree's)")
@@ -165,6 +166,8 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
              "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_bytes",
              "new_tokens", "temperature")
     changes: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if changes.get("draft_confidence") == 0:  # 0: every round verifies the whole window
+        changes["draft_confidence"] = None
     config = replace(base, seed=args.seed, compile=base.compile or args.compile, **changes)
     if config.window < 2:
         raise DemoError(f"--window must be >= 2 (one known token plus drafts), got {config.window}")
