@@ -199,18 +199,12 @@ class TokenAutomaton:
 
         The verifier sets the logits outside the mask to -inf.
         """
-        cached = self._masks.get((state, str(device)))  # a state met before: one lookup
-        if cached is not None:
-            return cached
-        state = self._check_state(state)
-        key = (state, str(torch.device(device)))
-        cached = self._masks.get(key)
+        key = (state, str(device))
+        cached = self._masks.get(key)  # a state met before: one lookup
         if cached is None:
             allowed = np.zeros(self.vocab_size, dtype=np.bool_)
-            allowed[self._tokens[state]] = True
-            cached = torch.from_numpy(allowed).to(device)
-            self._masks[key] = cached
-        self._masks[(state, str(device))] = cached
+            allowed[self._tokens[self._check_state(state)]] = True
+            cached = self._masks[key] = torch.from_numpy(allowed).to(device)
         return cached
 
     def advance(self, state: int, token: int | Tensor) -> int:
