@@ -171,22 +171,22 @@ class _TargetLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tiled: TiledLogits, targets: Tensor, rows: int, *values: Tensor) -> Tensor:
-        positions, units = targets.shape
-        out = torch.empty(units, positions, dtype=values[0].dtype, device=targets.device)
-        lse_all = torch.empty_like(out)
-        index = targets.T  # (U, S)
+        positions, units, picks = targets.shape
+        out = torch.empty(units, positions, picks, dtype=values[0].dtype, device=targets.device)
+        lse_all = torch.empty(units, positions, dtype=values[0].dtype, device=targets.device)
+        index = targets.transpose(0, 1)  # (U, S, m)
         for block, unit_blocks in tiles(positions, units, rows):
             shared = tiled.shared(values, block)
             for unit_block in unit_blocks:
                 logits = tiled.logits(values, shared, block, unit_block)
                 lse = torch.logsumexp(logits, -1)
-                picked = logits.gather(-1, index[unit_block, block][..., None]).squeeze(-1)
-                out[unit_block, block] = picked - lse
+                picked = logits.gather(-1, index[unit_block, block])
+                out[unit_block, block] = picked - lse[..., None]
                 lse_all[unit_block, block] = lse
                 del logits
         ctx.tiled, ctx.rows = tiled, rows
         ctx.save_for_backward(targets, lse_all, *values)
-        return out.T
+        return out.transpose(0, 1)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -195,16 +195,19 @@ class _TargetLogSoftmax(torch.autograd.Function):
         wanted = ctx.needs_input_grad[3:]
         grads: list[Tensor | None] = [torch.zeros_like(v) if need else None
                                       for v, need in zip(values, wanted, strict=True)]
-        positions, units = targets.shape
-        index, upstream_all = targets.T, grad.T.to(lse_all.dtype)  # (U, S)
+        positions, units, _ = targets.shape
+        index = targets.transpose(0, 1)  # (U, S, m)
+        upstream_all = grad.transpose(0, 1).to(lse_all.dtype)  # (U, S, m)
         for block, unit_blocks in tiles(positions, units, ctx.rows):
             shared = tiled.shared(values, block)
             for unit_block in unit_blocks:
-                g = upstream_all[unit_block, block][..., None]  # (Ub, P, 1)
-                # G = g (onehot - softmax), built in place on the recomputed logits
+                g = upstream_all[unit_block, block]  # (Ub, P, m)
+                # G = sum_m g_m onehot(target_m) - (sum_m g_m) softmax, built in place on the
+                # recomputed logits
                 upstream = tiled.logits(values, shared, block, unit_block)
-                upstream.sub_(lse_all[unit_block, block][..., None]).exp_().mul_(-g)
-                upstream.scatter_add_(-1, index[unit_block, block][..., None], g)
+                upstream.sub_(lse_all[unit_block, block][..., None]).exp_()
+                upstream.mul_(-g.sum(-1, keepdim=True))
+                upstream.scatter_add_(-1, index[unit_block, block], g)
                 tiled.backward(values, shared, block, unit_block, upstream, grads)
                 del upstream
             tiled.finish(values, shared, block, grads)
@@ -216,17 +219,22 @@ def target_log_softmax(tiled: TiledLogits, targets: Tensor, rows: int) -> Tensor
 
     Args:
         tiled: the logits' map (:class:`FullTiles`, :class:`LeanTiles`).
-        targets: (S, U) long, categories in ``0 .. K-1``.
+        targets: (S, U) long, categories in ``0 .. K-1``; or (S, U, m): ``m`` categories per
+            ``(s, u)`` (the training target and a teacher's candidates,
+            :mod:`circuits_llm.training.loss`), all read from one computation of the tile.
         rows: at most this many ``(s, u)`` pairs per tile (>= 1).
 
     Returns:
-        (S, U) log-probabilities, differentiable with respect to every ``tiled.inputs`` tensor
-        that requires grad (exact gradients, see the module docstring).
+        (S, U) log-probabilities, or (S, U, m) for (S, U, m) targets; differentiable with respect
+        to every ``tiled.inputs`` tensor that requires grad (exact gradients, see the module
+        docstring).
     """
-    if targets.dim() != 2 or targets.dtype != torch.long:
-        raise ValueError(f"targets must be a (S, U) long tensor, got {tuple(targets.shape)} "
-                         f"{targets.dtype}")
+    if targets.dim() not in (2, 3) or targets.dtype != torch.long:
+        raise ValueError(f"targets must be a (S, U) or (S, U, m) long tensor, got "
+                         f"{tuple(targets.shape)} {targets.dtype}")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows must be an int >= 1, got {rows!r}")
-    result: Tensor = _TargetLogSoftmax.apply(tiled, targets, rows, *tiled.inputs)
-    return result
+    several = targets.dim() == 3
+    result: Tensor = _TargetLogSoftmax.apply(tiled, targets if several else targets[..., None],
+                                             rows, *tiled.inputs)
+    return result if several else result.squeeze(-1)

@@ -358,6 +358,10 @@ class MTPHead(nn.Module):
 
         The result equals ``circuit.<query>(targets, params=head(hidden))`` for every query that
         only reads input units at observed values, gradients included (exact, float64-tested).
+        ``targets`` (S, n, m) gives ``m`` columns per variable, ``(S, F, K, m)`` tables: evaluate
+        at data ``x`` in ``0 .. m-1`` to read variable ``v`` at ``targets[:, v, x_v]`` (column 0
+        is the one a head that reads the token takes as ``X_0``); the training loss's teacher
+        candidates use it (:mod:`circuits_llm.training.loss`).
         A head that :attr:`reads_token` reads ``targets[:, 0]`` (``X_0``, the verified token):
         it equals ``head(hidden, targets[:, 0])``'s.
         """
@@ -367,23 +371,27 @@ class MTPHead(nn.Module):
             raise InvalidInputError(f"hidden must be a float tensor of shape (batch, "
                                     f"{self.hidden_size}), got {got}")
         if not isinstance(targets, Tensor) or targets.dtype != torch.long \
-                or tuple(targets.shape) != (hidden.shape[0], self.window):
+                or targets.dim() not in (2, 3) \
+                or tuple(targets.shape[:2]) != (hidden.shape[0], self.window):
             got = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
             raise InvalidInputError(f"targets must be a long tensor of shape ({hidden.shape[0]}, "
-                                    f"{self.window}), got {got}")
+                                    f"{self.window}) or ({hidden.shape[0]}, {self.window}, m), "
+                                    f"got {got}")
         if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
                                        or chunk_rows < 1):
             raise InvalidInputError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
         hidden = hidden.to(self.dtype)
         targets = targets.to(hidden.device)
+        several = targets.dim() == 3
         if self.token_input is not None:  # X_0 is the verified token the head reads
-            hidden = mix_token(self.token_input, hidden, targets[:, 0])
+            hidden = mix_token(self.token_input, hidden,
+                               targets[:, 0, 0] if several else targets[:, 0])
         sums = self.circuit.resolve_params(self.sums(hidden), hidden.shape[0])
         picked = self.inputs.target_log_probs(hidden, targets, chunk_rows)
         values = dict(sums.values)
         for plan, module in zip(self.circuit.plans, self.circuit.folds, strict=True):
             if isinstance(module, FoldedInput):
-                values[plan.fold_id] = picked[plan.name][..., None]
+                values[plan.fold_id] = picked[plan.name] if several else picked[plan.name][..., None]
         return LogParameters(values, hidden.shape[0])
 
     def clear_cache(self) -> None:

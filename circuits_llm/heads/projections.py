@@ -97,7 +97,8 @@ class DerivedCache:
 
 def slot_targets(targets: Tensor, variables: tuple[int, ...], units: int) -> Tensor:
     """(S, n) categories of every variable -> (S, F * units): the category each input unit of a
-    fold (slots ordered ``f * units + k``, as ``(F, K)`` flattens) reads."""
+    fold (slots ordered ``f * units + k``, as ``(F, K)`` flattens) reads; (S, n, m) ``m``
+    categories per variable -> (S, F * units, m)."""
     index = torch.tensor(variables, device=targets.device)
     return targets.index_select(1, index).repeat_interleave(units, dim=1)
 
@@ -151,7 +152,8 @@ class FullInputs(nn.Module):
     def target_log_probs(self, hidden: Tensor, targets: Tensor, rows: int | None = None,
                          ) -> dict[str, Tensor]:
         """``hidden`` (S, d), ``targets`` (S, n) the category of every variable ->
-        ``{name: (S, F, K)}``, each unit's log-softmax at its variable's category, in tiles of
+        ``{name: (S, F, K)}``, each unit's log-softmax at its variable's category (``(S, n, m)``
+        categories -> ``(S, F, K, m)``), in tiles of
         ``rows`` (position, unit) pairs (default :func:`~circuits_llm.heads.chunked.default_rows`)."""
         out = {}
         for name, weight in self.weight.items():
@@ -160,7 +162,7 @@ class FullInputs(nn.Module):
             tiled = FullTiles(hidden, weight.reshape(folded * units, vocab, dim), bias)
             picked = target_log_softmax(tiled, slot_targets(targets, self.variables[name], units),
                                         rows or default_rows(vocab))
-            out[name] = picked.view(hidden.shape[0], folded, units)
+            out[name] = picked.view(hidden.shape[0], folded, units, *targets.shape[2:])
         return out
 
 
@@ -257,7 +259,8 @@ class LeanInputs(nn.Module):
     def target_log_probs(self, hidden: Tensor, targets: Tensor, rows: int | None = None,
                          ) -> dict[str, Tensor]:
         """``hidden`` (S, d), ``targets`` (S, n) the category of every variable ->
-        ``{name: (S, F, K)}``, each unit's log-softmax at its variable's category, in tiles of
+        ``{name: (S, F, K)}``, each unit's log-softmax at its variable's category (``(S, n, m)``
+        categories -> ``(S, F, K, m)``), in tiles of
         ``rows`` (position, unit) pairs (default :func:`~circuits_llm.heads.chunked.default_rows`).
 
         Per fold the codes ``(S, F K, rho) = e V`` are one matmul; a tile's logits are
@@ -272,7 +275,7 @@ class LeanInputs(nn.Module):
             tiled = LeanTiles(hidden, self.lm_head, codes, vocab_up, bias)
             picked = target_log_softmax(tiled, slot_targets(targets, self.variables[name], units),
                                         rows or default_rows(self.vocab_size))
-            out[name] = picked.view(positions, folded, units)
+            out[name] = picked.view(positions, folded, units, *targets.shape[2:])
         return out
 
 

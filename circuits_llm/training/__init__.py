@@ -3,7 +3,9 @@
 * :class:`HeadTrainingConfig`: the run's hyper-parameters (JSON round-trippable);
   :class:`DataSource` picks the stdlib corpus or self-distilled data (FastMTP Sec. 2.4);
   :class:`FeatureCaching` and :class:`FeatureDtype` say whether and how the backbone's features
-  are computed once and cached on disk (:mod:`circuits_llm.training.features`).
+  are computed once and cached on disk (:mod:`circuits_llm.training.features`);
+  :class:`TargetLaw` trains towards the data's tokens or the model's own law
+  (:mod:`circuits_llm.training.teacher`).
 * :func:`train_head`: resumable training with validation per window position, verified and
   rotated checkpoints, a locked run directory, graceful signals and an exported result; runs
   data-parallel under ``torchrun``.
@@ -17,6 +19,7 @@ from circuits_llm.training.config import (
     FeatureCaching,
     FeatureDtype,
     HeadTrainingConfig,
+    TargetLaw,
     TrainingConfigError,
 )
 from circuits_llm.training.lock import RunDirectoryBusy
@@ -34,6 +37,7 @@ __all__ = [
     "CHECKPOINT_FILE", "PREVIOUS_CHECKPOINT_FILE", "CheckpointError", "CheckpointWriteError",
     "DataSource", "FeatureCaching", "FeatureDtype", "HeadTrainingConfig", "HeadTrainingResult",
     "NonFiniteTrainingError",
-    "PositionValidation", "RunDirectoryBusy", "TrainingConfigError", "TrainingInterrupted",
+    "PositionValidation", "RunDirectoryBusy", "TargetLaw", "TrainingConfigError",
+    "TrainingInterrupted",
     "load_trained_head", "read_record", "train_head",
 ]

@@ -37,6 +37,7 @@ from circuits_llm.heads.sizing import HeadBudgetWarning, HeadSize, fit_head_size
 from circuits_llm.heads.vocab import TokenCounts, frequent_tokens
 from circuits_llm.text.models import config_fingerprint
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
+from circuits_llm.training.teacher import LanguageModelTeacher
 
 
 def lm_head_weight(model: PreTrainedModel) -> Tensor:
@@ -64,8 +65,9 @@ def start_from(head: MTPHead, directory: str | Path) -> None:
     """Copy the tensors of the head saved in ``directory`` into ``head`` (``init_from``).
 
     Every tensor of the saved head must exist in ``head`` with the same shape (the draft
-    vocabulary included); ``head``'s other tensors (a token input the saved head lacks) keep
-    their initialisation.
+    vocabulary included), except that a LEAN head may have a larger lean rank (the saved
+    components come first, the new ones start at zero: the saved law); ``head``'s other tensors
+    (a token input the saved head lacks) keep their initialisation.
 
     Raises:
         TrainingConfigError: the directory holds no head, or one that does not fit ``head``.
@@ -77,12 +79,14 @@ def start_from(head: MTPHead, directory: str | Path) -> None:
     mine, theirs = head_tensors(head), head_tensors(saved)
     unknown = sorted(set(theirs) - set(mine))
     wrong = sorted(name for name in set(theirs) & set(mine)
-                   if tuple(theirs[name].shape) != tuple(mine[name].shape))
+                   if tuple(theirs[name].shape) != tuple(mine[name].shape)
+                   and _lean_slice(name, theirs[name], mine[name]) is None)
     if unknown or wrong:
         raise TrainingConfigError(
             f"init_from: the head in {directory} does not fit this run's head (tensors it has "
             f"that this head lacks: {unknown}; of other shapes: {wrong}); start from a head of "
-            "the same kind, window, rank, variant and draft vocabulary")
+            "the same kind, window, rank, variant and draft vocabulary (a LEAN head may grow "
+            "its lean rank)")
     draft = theirs.get(DRAFT_TOKENS)
     if draft is not None and not torch.equal(draft.cpu(), mine[DRAFT_TOKENS].cpu()):
         raise TrainingConfigError(
@@ -91,7 +95,26 @@ def start_from(head: MTPHead, directory: str | Path) -> None:
             "same data")
     with torch.no_grad():
         for name, value in theirs.items():
-            mine[name].copy_(value)
+            part = _lean_slice(name, value, mine[name])
+            (mine[name] if part is None else mine[name][part]).copy_(value)
+
+
+def _lean_slice(name: str, saved: Tensor, mine: Tensor) -> tuple[slice, ...] | None:
+    """Where a saved LEAN transform of a smaller lean rank goes in this head's (None: nowhere).
+
+    ``down`` (F, K, d, rho) and ``up`` (F, K, rho, d) of a head with a larger ``rho`` take the
+    saved components first; the others keep their initialisation, ``up`` zero, so the head's law
+    is the saved one (``U V^T e`` gains only zero terms)."""
+    if saved.dim() != 4 or mine.dim() != 4:
+        return None
+    axis = {"inputs.down.": 3, "inputs.up.": 2}.get(name[:name.rfind(".") + 1])
+    if axis is None:
+        return None
+    same = all(a == b for i, (a, b) in enumerate(zip(saved.shape, mine.shape, strict=True))
+               if i != axis)
+    if not same or saved.shape[axis] > mine.shape[axis]:
+        return None
+    return tuple(slice(0, saved.shape[axis]) if i == axis else slice(None) for i in range(4))
 
 
 def build_backbone(model: PreTrainedModel, config: HeadTrainingConfig) -> HFBackbone:
@@ -259,3 +282,37 @@ def build_head(plan: HeadPlan, backbone: HFBackbone, counts: TokenCounts | None 
 def head_fingerprint(head: MTPHead) -> str:
     """SHA-256 of the head's structure record (template or full circuit, sizes, variant)."""
     return hashlib.sha256(head_config(head).to_json().encode()).hexdigest()
+
+
+#: the largest relative gap between the logits rebuilt from cached features and the live ones
+#: (float16 features round at 2^-11 relative; scaled or soft-capped logits are far above)
+TEACHER_FEATURE_GAP = 0.02
+
+
+def build_teacher(model: PreTrainedModel, backbone: HFBackbone, head: MTPHead,
+                  config: HeadTrainingConfig, tokens: Tensor | None = None,
+                  features: Tensor | None = None) -> LanguageModelTeacher:
+    """The LM's law as the loss's target (``TargetLaw.MODEL``).
+
+    With cached features, give one training row's ``tokens`` (1, L) and ``features`` (1, L, d):
+    the logits rebuilt from them are checked once against a live forward, so a model whose
+    logits are not its LM head applied to its last hidden state is one clear error.
+
+    Raises:
+        TrainingConfigError: the model has no such LM head, or its logits differ.
+    """
+    try:
+        teacher = LanguageModelTeacher(model, head.draft_tokens, config.teacher_top_k,
+                                       config.teacher_law_temperature, config.teacher_weight)
+    except CircuitError as error:
+        raise TrainingConfigError(str(error)) from None
+    if tokens is not None and features is not None:
+        with torch.no_grad():
+            logits, _ = backbone.hidden_states(tokens.to(backbone.device))
+        gap = teacher.check_features(features.to(backbone.device), logits)
+        if gap > TEACHER_FEATURE_GAP:
+            raise TrainingConfigError(
+                f"{type(model).__name__}'s logits are not its LM head applied to the cached last "
+                f"hidden state (relative gap {gap:.3g} > {TEACHER_FEATURE_GAP}: scaled or capped "
+                f"logits?); train the model target with --no-cache-features")
+    return teacher

@@ -49,6 +49,7 @@ from circuits_llm.training.config import (
     FeatureCaching,
     FeatureDtype,
     HeadTrainingConfig,
+    TargetLaw,
     TrainingConfigError,
 )
 
@@ -90,7 +91,9 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
         distill_prompt_len=args.distill_prompt_len,
         distill_temperature=args.distill_temperature, bf16=args.bf16,
         distill_batch=args.distill_batch, cache_features=args.cache_features,
-        feature_dtype=args.feature_dtype)
+        feature_dtype=args.feature_dtype, target_law=args.target_law,
+        teacher_top_k=args.teacher_top_k, teacher_temperature=args.teacher_temperature,
+        teacher_weight=args.teacher_weight)
 
 
 def _train_head(args: argparse.Namespace) -> int:
@@ -131,6 +134,10 @@ def _train_head(args: argparse.Namespace) -> int:
                    "seconds_per_step": result.seconds_per_step,
                    "validation_mean_bits": {"initial": result.initial_validation.mean_bits,
                                             "final": result.validation.mean_bits},
+                   # the drafted positions 2..n (a head that reads the token is not trained on 1)
+                   "validation_draft_mean_bits": {
+                       "initial": result.initial_validation.draft_mean_bits,
+                       "final": result.validation.draft_mean_bits},
                    "validation_bits_per_position": list(result.validation.bits)}
         print(json.dumps(summary, indent=2))
     if result.interrupted_by is not None:
@@ -200,6 +207,20 @@ def add_train_head_command(sub: Any) -> None:
     p.add_argument("--distill-batch", type=int, default=d.distill_batch,
                    help="self-distilled rows generated together, one batched forward per token "
                         f"(default {d.distill_batch})")
+    p.add_argument("--target-law", choices=[t.value for t in TargetLaw],
+                   default=d.target_law.value,
+                   help="what each window slot learns: the data's tokens (default), or the "
+                        "model's own law at that position, read from the hidden states the step "
+                        "already has (self-distillation with the whole law, not one sample)")
+    p.add_argument("--teacher-top-k", type=int, default=d.teacher_top_k,
+                   help=f"--target-law model: the model's most likely tokens per position the "
+                        f"head is scored on (default {d.teacher_top_k})")
+    p.add_argument("--teacher-temperature", type=float, default=None,
+                   help="--target-law model: the temperature of the model's law (0 = its argmax; "
+                        "default: --distill-temperature for --self-distill, else 1)")
+    p.add_argument("--teacher-weight", type=float, default=d.teacher_weight,
+                   help="--target-law model: the loss is (1 - w) token loss + w cross-entropy to "
+                        f"the model's law (default {d.teacher_weight})")
     features = p.add_mutually_exclusive_group()
     features.add_argument(
         "--cache-features", dest="cache_features", action="store_const",

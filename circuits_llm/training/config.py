@@ -38,6 +38,20 @@ class DataSource(Enum):
     SELF_DISTILLED = "self-distilled"
 
 
+class TargetLaw(Enum):
+    """What each window slot of the loss is trained towards (:mod:`circuits_llm.training.loss`).
+
+    ``TOKENS`` (default): the data's next tokens (Eq. 4 of the MTPC paper).
+    ``MODEL`` (``train-head --target-law model``): the LM's own law at that position, read from
+    the hidden states the trainer already has (:mod:`circuits_llm.training.teacher`): the
+    cross-entropy to its ``teacher_top_k`` most likely tokens at ``teacher_temperature`` (0: the
+    argmax, greedy decoding's law), mixed with the token loss by ``teacher_weight``.
+    """
+
+    TOKENS = "tokens"
+    MODEL = "model"
+
+
 _E = TypeVar("_E", bound=Enum)
 
 
@@ -175,6 +189,14 @@ class HeadTrainingConfig:
         cache_features: :class:`FeatureCaching` (``AUTO``: on for self-distilled data).
         feature_dtype: :class:`FeatureDtype` of the cached features.
         bf16: run the backbone forward under bf16 autocast (slower than fp32 on most CPUs).
+        target_law: :class:`TargetLaw` (``MODEL``: train towards the LM's own law).
+        teacher_top_k: with ``MODEL``, the LM's most likely tokens per position the head is
+            scored on.
+        teacher_temperature: with ``MODEL``, the temperature of the LM's law (0: the argmax);
+            None: ``distill_temperature`` for self-distilled data (the decode temperature), 1
+            for corpus data.
+        teacher_weight: with ``MODEL``, the loss is ``(1 - w)`` token loss ``+ w`` cross-entropy
+            to the LM's law, ``w`` in ``[0, 1]``.
     """
 
     architecture: Architecture | str | None = Architecture.BTREE
@@ -209,6 +231,10 @@ class HeadTrainingConfig:
     distill_batch: int = 16
     cache_features: FeatureCaching = FeatureCaching.AUTO
     feature_dtype: FeatureDtype = FeatureDtype.FLOAT16
+    target_law: TargetLaw = TargetLaw.TOKENS
+    teacher_top_k: int = 16
+    teacher_temperature: float | None = None
+    teacher_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.circuit_file is not None:
@@ -235,6 +261,8 @@ class HeadTrainingConfig:
             FeatureCaching, "cache_features setting", self.cache_features))
         object.__setattr__(self, "feature_dtype", _parse_enum(
             FeatureDtype, "feature_dtype", self.feature_dtype))
+        object.__setattr__(self, "target_law", _parse_enum(TargetLaw, "target_law",
+                                                           self.target_law))
         self._check_numbers()
 
     def _check_numbers(self) -> None:
@@ -282,6 +310,29 @@ class HeadTrainingConfig:
                                       f"{self.init_from!r}")
         if not isinstance(self.bf16, bool):
             raise TrainingConfigError(f"bf16 must be true or false, got {self.bf16!r}")
+        self._check_teacher()
+
+    def _check_teacher(self) -> None:
+        _int("teacher_top_k", self.teacher_top_k, 1)
+        if self.teacher_temperature is not None:
+            _positive("teacher_temperature", self.teacher_temperature, allow_zero=True)
+        _positive("teacher_weight", self.teacher_weight, allow_zero=True)
+        if self.teacher_weight > 1:
+            raise TrainingConfigError(f"teacher_weight must be in [0, 1], got "
+                                      f"{self.teacher_weight!r}")
+        if self.target_law is TargetLaw.MODEL and self.lora_layers > 0 \
+                and self.cache_features is FeatureCaching.ON:
+            raise TrainingConfigError(
+                "target_law model with LoRA layers reads the LM's own last hidden state, which "
+                "the feature cache does not hold (it holds the draft branch's input): drop "
+                "--cache-features, or train with --lora-layers 0")
+
+    @property
+    def teacher_law_temperature(self) -> float:
+        """The temperature of the LM's law the ``MODEL`` target uses (see the attribute)."""
+        if self.teacher_temperature is not None:
+            return float(self.teacher_temperature)
+        return float(self.distill_temperature) if self.data is DataSource.SELF_DISTILLED else 1.0
 
     # ------------------------------------------------------------------ JSON
     @property
@@ -297,6 +348,7 @@ class HeadTrainingConfig:
         values["data"] = self.data.value
         values["cache_features"] = self.cache_features.value
         values["feature_dtype"] = self.feature_dtype.value
+        values["target_law"] = self.target_law.value
         return values
 
     @classmethod

@@ -54,6 +54,7 @@ from circuits_llm.training.config import (
     FeatureCaching,
     FeatureDtype,
     HeadTrainingConfig,
+    TargetLaw,
 )
 from circuits_llm.training.datasets import SequenceSet
 from circuits_llm.training.distributed import DistributedContext
@@ -85,8 +86,9 @@ def feature_cache_dir() -> Path:
 
 def caching_wanted(config: HeadTrainingConfig) -> bool:
     """Whether ``config`` asks for cached features (before the disk has its say, for ``AUTO``)."""
-    if config.cache_features is FeatureCaching.AUTO:
-        return config.data is DataSource.SELF_DISTILLED
+    if config.cache_features is FeatureCaching.AUTO:  # the LM's law needs its own last state
+        return config.data is DataSource.SELF_DISTILLED and not (
+            config.target_law is TargetLaw.MODEL and config.lora_layers > 0)
     return config.cache_features is FeatureCaching.ON
 
 

