@@ -28,13 +28,41 @@ from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.runtime.timing import machine_info, publish
 from circuits_llm.text.corpus import evaluation_prompts
 from circuits_llm.text.models import LoadedModel, load_model
-from circuits_llm.training import load_trained_head, read_record
+from circuits_llm.training import HeadTrainingConfig, load_trained_head, read_record
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "acceptance_sweep.json"
 MODES = (("greedy", 0.0), ("sampling", 1.0))
 #: training settings shown in the table when they differ between the runs
-SETTINGS = ("architecture", "rank", "lean_rank", "token_input", "target_law", "teacher_weight",
-            "steps", "batch_size", "learning_rate", "distill_samples", "init_from")
+SETTINGS = ("architecture", "rank", "lean_rank", "token_input", "target_law",
+            "teacher_temperature", "teacher_weight", "steps", "batch_size", "learning_rate",
+            "distill_samples", "init_from")
+
+
+def run_settings(record: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`SETTINGS` of a run's record, a record written before a field existed read with
+    that field's default (through :class:`~circuits_llm.training.HeadTrainingConfig`)."""
+    config = HeadTrainingConfig.from_dict(record["config"]).to_dict()
+    return {key: config.get(key) for key in SETTINGS}
+
+
+def table(heads: dict[str, dict[str, Any]]) -> str:
+    """The markdown table of :func:`main`'s record: the settings that differ between the runs,
+    validation NLL of slots 2 and 3, tokens per round and the first two drafts' acceptance."""
+    varying = [key for key in SETTINGS
+               if len({json.dumps(row["settings"][key]) for row in heads.values()}) > 1]
+    lines = ["| run | " + " | ".join(varying) + " | NLL slot 2 / 3 | greedy tok/round | "
+             "sampling tok/round | accepted 1st / 2nd (greedy; sampling) |",
+             "|---" * (len(varying) + 5) + "|"]
+    for run, row in heads.items():
+        nll = row["validation_nll"]
+        greedy, sampling = row["greedy"], row["sampling"]
+        g, s = greedy["accepted_by_position"], sampling["accepted_by_position"]
+        lines.append(
+            f"| {Path(run).name} | " + " | ".join(str(row["settings"][k]) for k in varying) +
+            f" | {nll[1]:.2f} / {nll[2]:.2f} | {greedy['tokens_per_round']:.3f} | "
+            f"{sampling['tokens_per_round']:.3f} | {g[0]:.1%} / {g[1]:.1%}; "
+            f"{s[0]:.1%} / {s[1]:.1%} |")
+    return "\n".join(lines)
 
 
 def measure(loaded: LoadedModel, run: Path, prompts: list[torch.Tensor], new_tokens: int,
@@ -70,30 +98,15 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(resolve_model("smollm2"))
     prompts = evaluation_prompts(loaded.tokenizer, args.prompts, 128)
     records = {str(run): read_record(run) for run in args.runs}
-    configs = {run: record["config"] for run, record in records.items()}
-    varying = [key for key in SETTINGS
-               if len({json.dumps(c.get(key)) for c in configs.values()}) > 1]
     heads = {}
     for run in args.runs:
-        heads[str(run)] = {"settings": {k: configs[str(run)].get(k) for k in SETTINGS},
+        heads[str(run)] = {"settings": run_settings(records[str(run)]),
                            "validation_nll": records[str(run)]["validation"]["nll"],
                            **measure(loaded, run, prompts, args.new_tokens)}
         print(f"{run}: done", flush=True)
-    lines = ["| run | " + " | ".join(varying) + " | NLL slot 2 / 3 | greedy tok/round | "
-             "sampling tok/round | accepted 1st / 2nd (greedy; sampling) |",
-             "|---" * (len(varying) + 5) + "|"]
-    for run, row in heads.items():
-        nll = row["validation_nll"]
-        greedy, sampling = row["greedy"], row["sampling"]
-        g, s = greedy["accepted_by_position"], sampling["accepted_by_position"]
-        lines.append(
-            f"| {Path(run).name} | " + " | ".join(str(row["settings"][k]) for k in varying) +
-            f" | {nll[1]:.2f} / {nll[2]:.2f} | {greedy['tokens_per_round']:.3f} | "
-            f"{sampling['tokens_per_round']:.3f} | {g[0]:.1%} / {g[1]:.1%}; "
-            f"{s[0]:.1%} / {s[1]:.1%} |")
     record = {"machine": machine_info(threads=args.threads), "prompts": args.prompts,
               "new_tokens": args.new_tokens, "heads": heads}
-    publish("\n".join(lines), record, args.out)
+    publish(table(heads), record, args.out)
 
 
 if __name__ == "__main__":
