@@ -254,14 +254,22 @@ def format_table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def benchmark_arguments(argv: list[str] | None, description: str | None,
+                        default_out: Path) -> argparse.Namespace:
+    """The command line the constrained benchmarks share (``--quick``, ``--max-new-tokens``,
+    ``--threads``, ``--out``), parsed; torch's thread count is set from it."""
+    parser = argparse.ArgumentParser(description=(description or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one schema, one prompt")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=default_out)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = benchmark_arguments(argv, __doc__, DEFAULT_OUT)
     record = run_benchmark(args.quick, args.max_new_tokens)
     publish(format_table(record), record, args.out)
     bad = [key for key, arm in record["arms"].items() if arm["valid"] != arm["outputs"]]

@@ -21,7 +21,6 @@ is printed and the record written atomically as JSON (default
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -37,7 +36,7 @@ if __name__ == "__main__":
 
 import torch
 
-from benchmarks.constrained_bench import PROMPTS, SCHEMAS
+from benchmarks.constrained_bench import PROMPTS, SCHEMAS, benchmark_arguments
 from benchmarks.decoder_bench import backbone_timings
 from circuits_llm.app.demo import resolve_model
 from circuits_llm.app.head_cache import (
@@ -189,13 +188,7 @@ def format_table(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one schema, one prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = benchmark_arguments(argv, __doc__, DEFAULT_OUT)
     record = run_benchmark(args.quick, args.max_new_tokens)
     publish(format_table(record), record, args.out)
     return 0
