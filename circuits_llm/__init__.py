@@ -7,6 +7,9 @@ What a user needs first, one import away::
     loaded = cl.load_model("embedded")          # or "smollm2", an HF directory, a .gguf file
     head = cl.MTPHead.from_name("btree", window=8, rank=16, hidden_size=..., vocab_size=...)
     result = cl.SpeculativeDecoder(loaded.model, head).generate(prompt_ids, max_new_tokens=64)
+    # exact options: verify only confident drafts; mix a copy of the context into the drafts
+    cl.SpeculativeDecoder(loaded.model, head, draft_length=cl.DraftLength.confident(0.3),
+                          lookup=cl.ContextLookup())
 
 The rooms behind this face (docs/architecture.md walks them): :mod:`circuits_llm.heads` (circuit
 heads), :mod:`circuits_llm.backbone` (causal LMs with KV caches), :mod:`circuits_llm.text` (models,
@@ -16,12 +19,16 @@ reports) and :mod:`circuits_llm.runtime` (timing, devices, checkpoints).
 """
 
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.stopping import StopCondition
 from circuits_llm.heads import MTPHead, load_head, register_head_kind, save_head
 from circuits_llm.text.models import load_model
 
 __all__ = [
     "AutoregressiveDecoder",
+    "ContextLookup",
+    "DraftLength",
     "MTPHead",
     "SpeculativeDecoder",
     "StopCondition",

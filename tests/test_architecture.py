@@ -194,11 +194,13 @@ def test_no_module_imports_a_deprecated_path(graph: dict[str, set[str]]) -> None
 def test_the_package_face() -> None:
     import circuits_llm
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    from circuits_llm.decoding.draft_length import DraftLength
+    from circuits_llm.decoding.lookup import ContextLookup
     from circuits_llm.decoding.stopping import StopCondition
     from circuits_llm.heads import MTPHead, load_head, register_head_kind, save_head
     from circuits_llm.text.models import load_model
 
-    face = {"load_model": load_model, "MTPHead": MTPHead, "SpeculativeDecoder": SpeculativeDecoder,
+    face = {"DraftLength": DraftLength, "ContextLookup": ContextLookup,"load_model": load_model, "MTPHead": MTPHead, "SpeculativeDecoder": SpeculativeDecoder,
             "AutoregressiveDecoder": AutoregressiveDecoder, "StopCondition": StopCondition,
             "save_head": save_head, "load_head": load_head, "register_head_kind": register_head_kind}
     assert sorted(circuits_llm.__all__) == sorted(face)

@@ -135,6 +135,11 @@ def test_generate_greedy_matches_across_heads(demo_run: dict,
         texts[head] = captured.out
         assert "10 tokens in" in captured.err and "tokens/round" in captured.err
     assert texts["ar"] == texts["ff"] == texts["btree"]
+    assert _generate(demo_run, "btree", "--lookup", "0.3,0.6") == 0  # the copy component: exact
+    captured = capsys.readouterr()
+    assert captured.out == texts["ar"] and "lookup 0.3/0.6" in captured.err
+    assert _generate(demo_run, "ar", "--lookup", "0.5") == 2
+    assert "--lookup mixes a copy" in capsys.readouterr().err
     run_dir = next((demo_run["cache"]).glob("*/btree-*"))
     assert _generate(demo_run, str(run_dir), "--temperature", "1", "--top-k", "20",
                      "--seed", "3") == 0
@@ -416,3 +421,11 @@ def test_demo_drafting_options_parse_and_are_checked(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         parser.parse_args(["demo", "--draft-confidence", "1.5"])
     assert "expected a number in [0, 1)" in capsys.readouterr().err
+    assert comparison_config(parser.parse_args(["demo", "--lookup", "0.1,0.5"]), base).lookup \
+        == (0.1, 0.5)
+    assert comparison_config(parser.parse_args(["demo", "--lookup", "none"]), base).lookup is None
+    assert comparison_config(parser.parse_args(["demo", "--compile-rounds"]), base).compile_rounds
+    for bad in ("0.5,x", "1.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["demo", "--lookup", bad])
+        assert "expected weights in [0, 1]" in capsys.readouterr().err

@@ -84,6 +84,33 @@ def test_demo_on_a_subword_model_decodes_and_reports(world: dict, tmp_path: Path
     assert "targets (real-model issue)" in printed
 
 
+def test_demo_with_the_copy_and_compiled_rounds(world: dict, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--lookup`` and ``--compile-rounds``: every speculative decoder mixes the copy into its
+    drafts and runs compiled draft and accept programs over an eager backbone (no fall back),
+    and greedy outputs stay identical."""
+    monkeypatch.setattr("circuits_llm.training.train_head", _no_training)
+    built: dict = {}
+    original = demo_module._decoders
+
+    def recording(*args: object) -> dict:
+        built.update(original(*args))
+        return built
+
+    monkeypatch.setattr(demo_module, "_decoders", recording)
+    config = replace(TINY, lookup=(0.3, 0.6), compile_rounds=True)
+    result = demo_module.run_comparison(config, world["model_dir"], tmp_path / "out",
+                                        tmp_path / "cache", command="demo", progress=False,
+                                        log=lambda line: None, shipped=world["shipped"])
+    assert result["greedy_identical"]["all"] and result["config"]["lookup"] == [0.3, 0.6]
+    for name in ("ff", "btree"):
+        decoder = built[name]
+        assert decoder.lookup is not None and decoder.lookup.weights == (0.3, 0.6)
+        assert decoder.compile and not decoder.backbone.compiled
+        for program in decoder._programs.values():
+            assert not program._draft.fallbacks and not program._accept.fallbacks
+
+
 def test_resolve_model_finds_packaged_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                              ) -> None:
     gguf = tmp_path / "model.gguf"
@@ -117,6 +144,7 @@ def test_demo_settings() -> None:
     assert study["draft_vocab"] is None and study["data"] == "corpus"
     assert full.for_vocabulary(260).draft_vocab is None
     assert full.for_vocabulary(49152).draft_vocab == 4096
+    assert full.lookup == (0.1, 0.3, 0.5) and not full.compile_rounds
 
 
 # ---------------------------------------------------------------------------- the report

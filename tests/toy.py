@@ -31,6 +31,7 @@ from circuits.compiled import CompiledCircuit, compile
 from circuits.templates import build
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law, transition, usable_conditionals
 from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, copy_component
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig, target_probs
 from circuits_llm.protocols import BackboneStep
@@ -179,7 +180,8 @@ def target_law(lm: ToyLM, prompt: Sequence[int], length: int, config: SamplingCo
 def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
                 config: SamplingConfig,
                 policy: CorrectionPolicy = CorrectionPolicy.EXACT,
-                draft_length: DraftLength | LengthRule | None = None) -> Law:
+                draft_length: DraftLength | LengthRule | None = None,
+                lookup: ContextLookup | None = None, mixed_q: bool = True) -> Law:
     """The exact law of the first ``length`` tokens a :class:`SpeculativeDecoder` emits.
 
     Runs on the head's device (an LM whose outputs are there too: the GPU check's).
@@ -199,6 +201,12 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
     the draft program does); the round then verifies ``[c, d_1..d_L]``
     (``round_law(p[:L+1], q[:L], d[:L])``, the bonus from ``p_{L+1}``). A :data:`LengthRule`
     callable: a rule of the tests (negative controls), which may also read the target ``p``.
+
+    ``lookup``: the decoder's :class:`ContextLookup`. Each draft is then weighted by the mixture
+    law written out here independently of the decoder (``(1 - w) H(d) + w [d_{<=m} = s] H(d_{>m})``
+    with ``H(d_{>m})`` the head's marginal of the positions after the proposal), the accept test
+    uses the round program's mixed conditionals (``mixed_q=False``: the head's alone, the negative
+    control), and a draft that starts with the whole proposal is verified up to its ``m`` tokens.
     """
     window, vocab, device = head.window, lm.vocab_size, head.circuit.device
     rule = draft_length if isinstance(draft_length, DraftLength) else None
@@ -220,6 +228,7 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
                 outcomes[(y,)] += float(p[y])
         else:
             hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
+            cuts = torch.full((len(drafts),), window - 1)
             if c not in inside:  # X_0 = c impossible: every draft is rejected, p_1 decides
                 q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64, device=device)
                 draft_probs = torch.zeros(len(drafts), dtype=torch.float64, device=device)
@@ -227,23 +236,30 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
             else:
                 compact = program.conditionals(hidden, c, drafts)  # (D, n-1, K)
                 draft_probs = compact.gather(2, drafts[:, :, None])[:, :, 0].prod(1)
+                if lookup is not None:
+                    draft_probs, cuts, component = _copy_mixture(sequence, lookup, ids, vocab,
+                                                                 drafts, draft_probs)
+                    if mixed_q:
+                        compact = program.conditionals(hidden, c, drafts, component.to(device))
                 q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64, device=device)
                 q_all[:, :, ids] = compact
-            for index, q, weight in zip(drafts, q_all, draft_probs.tolist(), strict=True):
+            for index, q, weight, cut in zip(drafts, q_all, draft_probs.tolist(), cuts.tolist(),
+                                             strict=True):
                 if weight <= 0:
                     continue
                 draft = ids[index]
                 lm.crop(len(sequence) - 1)
                 step = lm.extend(torch.cat([torch.tensor([c], device=device), draft])[None])
                 p = target_probs(step.verifier_logits[0], config)
-                if draft_length is None:
+                if draft_length is None and cut == window - 1:
                     law = round_law(p, q, draft)
                     verified = draft
                 else:
                     compact = usable_conditionals(q[:, ids])  # what the draft program's rule reads
-                    checked = program.draft_length.decide(compact, index) if rule is not None \
+                    checked = window - 1 if draft_length is None else \
+                        program.draft_length.decide(compact, index) if rule is not None \
                         else draft_length(compact, index, p)  # type: ignore[operator]
-                    checked = int(checked)
+                    checked = min(int(checked), cut)
                     law = round_law(p[:checked + 1], q[:checked], draft[:checked])
                     verified = draft[:checked]
                 probs = law.outcome_probs()
@@ -264,6 +280,29 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
         return result
 
     return dict(continuation(tuple(prompt), length)) if length > 0 else {(): 1.0}
+
+
+def _copy_mixture(sequence: tuple[int, ...], lookup: ContextLookup, ids: Tensor, vocab: int,
+                  drafts: Tensor, head_probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The lookup mixture's law of every draft, each draft's verified-length cut, and the copy
+    component, written out from the definition (not through the decoder's draw)."""
+    position = {int(t): i for i, t in enumerate(ids.tolist())}
+    proposal, ngram = LookupIndex(lookup.max_ngram, sequence).propose(drafts.shape[1])
+    component = copy_component(proposal, ngram, lookup,
+                               [position.get(t, -1) for t in range(vocab)],
+                               drafts.shape[1], torch.device("cpu"))
+    count, weight = int(component[-2]), float(component[-1])
+    cuts = torch.full((len(drafts),), drafts.shape[1])
+    if count == 0 or weight == 0:
+        return head_probs, cuts, component
+    on_path = (drafts[:, :count].cpu() == component[:count].long()).all(1)
+    tails = [tuple(d[count:].tolist()) for d in drafts]
+    marginal: dict[tuple[int, ...], float] = defaultdict(float)
+    for tail, prob in zip(tails, head_probs.tolist(), strict=True):
+        marginal[tail] += prob
+    copied = torch.tensor([marginal[t] for t in tails], dtype=torch.float64)
+    mixture = (1 - weight) * head_probs.cpu() + weight * on_path.double() * copied
+    return mixture.to(head_probs.device), torch.where(on_path, count, cuts), component
 
 
 def total_variation(first: Law, second: Law) -> float:

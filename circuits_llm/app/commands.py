@@ -68,6 +68,22 @@ def _head_names(text: str) -> tuple[str, ...]:
     return tuple(name.strip().lower() for name in text.split(",") if name.strip())
 
 
+def _lookup_weights(text: str) -> tuple[float, ...]:
+    """``--lookup W1,W2,..``: the copy component's weight per matched n-gram length; ``none``:
+    no lookup (an empty tuple)."""
+    if text.strip().lower() in ("none", "off", "0"):
+        return ()
+    try:
+        weights = tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected weights in [0, 1] separated by commas (one per "
+                                         f"n-gram length, e.g. 0.2,0.4,0.6) or 'none', got "
+                                         f"{text!r}") from None
+    if not all(0 <= w <= 1 for w in weights):
+        raise argparse.ArgumentTypeError(f"expected weights in [0, 1], got {text}")
+    return weights
+
+
 def _probability(text: str) -> float:
     try:
         value = float(text)
@@ -136,6 +152,9 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="every decoder, the autoregressive baseline included, with a static "
                              "KV cache, compiled forwards and compiled rounds (torch.compile)")
+    parser.add_argument("--compile-rounds", action="store_true",
+                        help="compile only the speculative rounds (draft and accept programs); "
+                             "every backbone stays eager (the fastest setting on a CPU)")
     tuning = parser.add_argument_group("overrides of the --quick / default settings")
     tuning.add_argument("--window", type=_positive_int)
     tuning.add_argument("--rank", type=_positive_int)
@@ -147,6 +166,10 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--draft-confidence", type=_probability, metavar="TAU",
                         help="verify only the drafts the head is this confident in (exact; "
                              "0: every draft)")
+    tuning.add_argument("--lookup", type=_lookup_weights, metavar="WEIGHTS",
+                        help="mix a copy of the context's last repeated n-gram's continuation "
+                             "into the drafts, with these weights per n-gram length (exact; "
+                             "e.g. 0.2,0.4,0.6; 'none': the heads alone)")
     tuning.add_argument("--train-steps", type=_positive_int)
     tuning.add_argument("--train-seconds", type=_positive_float,
                         help="training budget of all heads together (FF gets 1/5 of a BTree's)")
@@ -162,13 +185,16 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
 def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
     """``base`` with every override given on the command line."""
     names = ("window", "rank", "variant", "lora_layers", "token_input", "draft_confidence",
-             "train_steps", "train_seconds",
+             "lookup", "train_steps", "train_seconds",
              "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_bytes",
              "new_tokens", "temperature")
     changes: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if changes.get("draft_confidence") == 0:  # 0: every round verifies the whole window
         changes["draft_confidence"] = None
-    config = replace(base, seed=args.seed, compile=base.compile or args.compile, **changes)
+    if changes.get("lookup") == ():
+        changes["lookup"] = None
+    config = replace(base, seed=args.seed, compile=base.compile or args.compile,
+                     compile_rounds=base.compile_rounds or args.compile_rounds, **changes)
     if config.window < 2:
         raise DemoError(f"--window must be >= 2 (one known token plus drafts), got {config.window}")
     unknown = sorted(set(config.token_input) - set(config.heads))
@@ -193,12 +219,16 @@ def _run_comparison(command: str, base: Callable[[bool], ComparisonConfig]
 
 
 # ---------------------------------------------------------------------------- generate
-def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False) -> tuple[Any, str]:
-    """The decoder ``--head`` names (compiled alike on both sides with ``compile``), and a
-    description of it."""
+def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
+                 lookup: tuple[float, ...] = ()) -> tuple[Any, str]:
+    """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
+    of the context into the drafts with ``lookup``'s weights), and a description of it."""
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     if head.lower() in AUTOREGRESSIVE_NAMES:
+        if lookup:
+            raise DemoError("--lookup mixes a copy of the context into a head's drafts: choose a "
+                            "--head other than ar, or leave --lookup out")
         return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
     if head.lower() in TRAINED_NAMES:
         preferred = [training_config(ComparisonConfig.demo(quick), head.lower())
@@ -215,7 +245,10 @@ def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False) -> 
                             f"{', '.join(AUTOREGRESSIVE_NAMES)} or a trained head directory")
     from circuits_llm.training import load_trained_head
     mtp_head, backbone = load_trained_head(run_dir, loaded.model, compile=compile)
-    return SpeculativeDecoder(backbone, mtp_head.eval(), compile=compile), f"speculative ({run_dir})"
+    from circuits_llm.decoding.lookup import ContextLookup
+    copy = ContextLookup(lookup) if lookup else None
+    return (SpeculativeDecoder(backbone, mtp_head.eval(), compile=compile, lookup=copy),
+            f"speculative ({run_dir}{', ' + copy.describe() if copy else ''})")
 
 
 def _constraint(args: argparse.Namespace) -> Any:
@@ -243,7 +276,7 @@ def _generate(args: argparse.Namespace) -> int:
     stop = StopCondition.for_model(loaded.model, args.max_new_tokens,
                                    [unescape_stop(s) for s in args.stop], tokenizer)
     decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
-                                        args.compile)
+                                        args.compile, args.lookup)
     constraint = _constraint(args)
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
@@ -294,6 +327,10 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     gen.add_argument("--compile", action="store_true",
                      help="static KV cache, compiled forwards and a compiled round (torch.compile)")
+    gen.add_argument("--lookup", type=_lookup_weights, default=(), metavar="WEIGHTS",
+                     help="mix a copy of the context's last repeated n-gram's continuation into "
+                          "the head's drafts, with these weights per n-gram length (exact; e.g. "
+                          "0.2,0.4,0.6; default none)")
     constrained = gen.add_mutually_exclusive_group()
     constrained.add_argument("--regex", default=None, metavar="PATTERN",
                              help="generate only text that matches PATTERN (the model's law "

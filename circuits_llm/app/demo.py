@@ -83,6 +83,9 @@ class ComparisonConfig:
         draft_confidence: every speculative decoder verifies only the drafts its head is
             confident in (``DraftLength.confident(draft_confidence)``, exact); None: every round
             verifies the whole window.
+        lookup: every speculative decoder mixes a copy of the context into its drafts with these
+            weights per matched n-gram length
+            (:class:`~circuits_llm.decoding.lookup.ContextLookup`, exact); None: the heads alone.
         draft_vocab: ``K``, the size of the heads' compressed draft vocabulary (the ``K`` most
             frequent tokens of the training data); None, or a ``K`` at least the model's
             vocabulary, drafts over every token.
@@ -104,6 +107,10 @@ class ComparisonConfig:
         temperature: temperature of the sampling mode (greedy uses 0); also the temperature the
             self-distilled data are sampled at.
         seed: decoding seed; prompt ``i`` uses ``seed + i`` for every decoder.
+        compile_rounds: compile only the speculative rounds' draft and accept programs
+            (``torch.compile``); every backbone, the AR baseline's included, stays eager. On a CPU,
+            where inductor's code for the backbone loses to the eager MKL calls, this is the
+            fastest setting; ``compile`` supersedes it.
         compile: decode with static KV caches and compiled forwards and rounds (``torch.compile``)
             for every decoder, the autoregressive baseline included.
     """
@@ -115,6 +122,7 @@ class ComparisonConfig:
     lora_layers: int = 0
     token_input: tuple[str, ...] = ()
     draft_confidence: float | None = None
+    lookup: tuple[float, ...] | None = None
     draft_vocab: int | None = None
     train_steps: int = 5000
     train_seconds: float = 560.0
@@ -129,6 +137,7 @@ class ComparisonConfig:
     new_tokens: int = 128
     temperature: float = 1.0
     seed: int = 0
+    compile_rounds: bool = False
     compile: bool = False
 
     @classmethod
@@ -137,11 +146,12 @@ class ComparisonConfig:
         section 10): window 8, BTree rank 16, LEAN heads over a 4,096-token draft vocabulary,
         the FF head reading the verified token (docs/results.md section 6), self-distilled
         training data, rounds that verify only the drafts the head is at least 30% confident
-        in (a verify block costs more per token on a CPU); quick: fewer prompts and tokens,
+        in (a verify block costs more per token on a CPU), drafts mixed with a copy of the
+        context (``lookup``: SmolLM2 repeats itself, greedy above all); quick: fewer prompts and tokens,
         and (when no head is cached or shipped) a shorter training."""
         full = cls(window=8, rank=16, draft_vocab=4096, token_input=("ff",), draft_confidence=0.3,
-                   train_seq_len=128, train_batch_size=8, self_distill=True, prompts=6,
-                   new_tokens=128)
+                   lookup=(0.1, 0.3, 0.5), train_seq_len=128, train_batch_size=8,
+                   self_distill=True, prompts=6, new_tokens=128)
         if quick:
             return replace(full, train_steps=400, train_seconds=90.0, distill_samples=64,
                            prompts=2, new_tokens=64)
@@ -230,18 +240,22 @@ def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig) -> dict[s
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     from circuits_llm.decoding.draft_length import DraftLength
+    from circuits_llm.decoding.lookup import ContextLookup
     rule = None if config.draft_confidence is None else \
         DraftLength.confident(config.draft_confidence)
+    lookup = None if config.lookup is None else ContextLookup(tuple(config.lookup))
     if not config.compile:
         decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}
-        decoders.update({h.name: SpeculativeDecoder(h.backbone, h.head, draft_length=rule)
+        decoders.update({h.name: SpeculativeDecoder(h.backbone, h.head, draft_length=rule,
+                                                    lookup=lookup, compile=config.compile_rounds)
                          for h in heads})
         return decoders
     shared = HFBackbone(loaded.model, compile=True, compiled_lengths=sorted({1, config.window}))
     decoders = {rep.BASELINE: AutoregressiveDecoder(shared)}
     for h in heads:
         backbone = shared if h.backbone.lora_layers == 0 else h.backbone
-        decoders[h.name] = SpeculativeDecoder(backbone, h.head, compile=True, draft_length=rule)
+        decoders[h.name] = SpeculativeDecoder(backbone, h.head, compile=True, draft_length=rule,
+                                              lookup=lookup)
     return decoders
 
 
@@ -308,7 +322,8 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
         log(f"\nsample ({sample_decoder}, temperature {config.temperature}, seed {config.seed}):\n"
             f"----- prompt -----\n{sample['prompt']}\n----- continuation -----\n"
             f"{sample['continuation']}\n------------------")
-    mode = "compiled" if config.compile else "eager"
+    mode = "compiled" if config.compile else \
+        "compiled rounds, eager backbone" if config.compile_rounds else "eager"
     title = (f"{command}: {Path(loaded.source).name}, window {config.window}, {config.variant}, "
              f"{config.lora_layers} LoRA layer(s), {mode}; {config.prompts} prompts x "
              f"{config.new_tokens} {unit.value}")

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from circuits_llm.decoding.warping import DecoderError
 
-__all__ = ["CorrectionPolicy", "RoundLaw", "Transition", "acceptance_ratios", "round_law",
-           "transition", "usable_conditionals"]
+__all__ = ["CorrectionPolicy", "RoundLaw", "Transition", "acceptance_ratios", "round_decisions",
+           "round_law", "transition", "usable_conditionals"]
 
 
 @dataclass(frozen=True)
@@ -122,3 +122,46 @@ def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
     if policy is CorrectionPolicy.DROP_AFTER_ACCEPT and accepted > 0:
         return Transition(tuple(draft[:accepted]), int(draft[accepted - 1]), accepted)
     return Transition((*draft[:accepted], token), token, accepted + 1)
+
+
+def round_decisions(p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
+                    length: Tensor | int | None, position: Tensor | None,
+                    draft_tokens: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The decisions of :func:`round_law`, computing only what one round reads (the accept
+    program's core; fixed shapes, no host read).
+
+    Args:
+        p: (n, V) float64 target probabilities.
+        q: (n-1, K) the draft's conditionals over the draft vocabulary.
+        tokens: (n-1,) the drafts (model ids).
+        tests: (n-1,) uniforms of the accept tests.
+        length: ``L``, the verified drafts (``None``: ``n - 1``).
+        position: (V,) model id -> draft-vocabulary index, ``None`` without a compressed
+            vocabulary; ``draft_tokens`` (K,) its model ids.
+
+    Returns:
+        (the number of accepted drafts (), the law of the emitted token (V,)): the same
+        acceptance ratios as ``round_law(p[:L+1], q[:L], draft[:L])``: a position after ``L`` has
+        ratio 0 (never accepted), and when all ``L`` are accepted the bonus row is ``p_{L+1}``. Of
+        the fallback rows only the one that is used (the residual after the first rejection, or
+        the bonus row) is built, so a round touches ``V`` entries once instead of ``(n-1) V``
+        times (large vocabularies).
+    """
+    drafted = tokens.shape[0]
+    length = drafted if length is None else length
+    q = usable_conditionals(q.double())
+    index = tokens if position is None else position[tokens]  # draft indices
+    rows = torch.arange(drafted, device=p.device)
+    ratio = acceptance_ratios(p[rows, tokens], q[rows, index])
+    ratio = torch.where(rows < length, ratio, 0.0)  # after L: not drafted, never accepted
+    accepted = torch.cumprod((tests < ratio).long(), 0).sum()
+    p_row = p.index_select(0, accepted[None])[0]  # (V,)
+    q_row = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, accepted[None])[0]
+    if draft_tokens is None:
+        residual = (p_row - q_row).clamp_min(0)
+    else:  # q = 0 outside the draft vocabulary: the residual is p there
+        inside = (p_row.index_select(0, draft_tokens) - q_row).clamp_min(0)
+        residual = p_row.index_copy(0, draft_tokens, inside)
+    mass = residual.sum()
+    residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p_row)
+    return accepted, torch.where(accepted == length, p_row, residual)

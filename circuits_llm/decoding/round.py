@@ -57,8 +57,9 @@ from circuits.compiled.prepared import Trace
 from circuits.compiled.queries import row_conditionals
 from circuits.compiled.sampling import argmax_chooser, descend
 from circuits.kernels import GumbelChooser, use_backend
-from circuits_llm.decoding.acceptance import acceptance_ratios, usable_conditionals
+from circuits_llm.decoding.acceptance import round_decisions
 from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.lookup import ContextLookup, mixed_conditionals, overlay
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
 from circuits_llm.protocols import draft_parameters
 from circuits_llm.runtime.compiling import CompiledProgram, Compiler
@@ -161,10 +162,14 @@ class RoundProgram:
             :func:`~circuits_llm.runtime.compiling.use_compiler`).
         draft_length: how many drafts a round verifies
             (:class:`~circuits_llm.decoding.draft_length.DraftLength`; ``None``: the whole window).
+        lookup: mix a copy of the context into the draft
+            (:class:`~circuits_llm.decoding.lookup.ContextLookup`; every :meth:`draft` then takes
+            the round's copy component, and a sampling round one more uniform to pick it).
     """
 
     def __init__(self, head: object, config: SamplingConfig, *, compile: bool = False,
-                 compiler: Compiler | None = None, draft_length: DraftLength | None = None) -> None:
+                 compiler: Compiler | None = None, draft_length: DraftLength | None = None,
+                 lookup: ContextLookup | None = None) -> None:
         self.head = head
         self.config = config
         self.circuit: CompiledCircuit = head.circuit  # type: ignore[attr-defined]
@@ -174,6 +179,7 @@ class RoundProgram:
             raise DecoderError(f"draft_length must be a DraftLength, got {rule!r}")
         rule.check(self.window)
         self.draft_length = rule
+        self.lookup = lookup
         #: the number of drafts every round verifies, when the rule fixes it (else None)
         self.static_length = rule.static_length(self.window)
         self.vocab_size: int = head.vocab_size  # type: ignore[attr-defined]
@@ -221,18 +227,26 @@ class RoundProgram:
         return tape.used
 
     def draw_uniforms(self, generator: torch.Generator | None) -> Tensor:
-        """One round's float64 uniforms: the top-down draw's tape, then ``n`` for acceptance."""
-        return torch.rand(self.tape_length + self.window, generator=generator,
+        """One round's float64 uniforms: the top-down draw's tape, the one that picks the copy
+        component (with a :class:`ContextLookup`), then ``n`` for acceptance."""
+        extra = 0 if self.lookup is None else 1
+        return torch.rand(self.tape_length + extra + self.window, generator=generator,
                           dtype=torch.float64, device=self.circuit.device)
 
     # ------------------------------------------------------------------ draft
-    def draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None) -> DraftResult:
+    def draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
+              component: Tensor | None = None) -> DraftResult:
         """``hidden`` (1, d), ``c`` (1,) long model id, ``uniforms`` from :meth:`draw_uniforms`
-        (None when greedy) -> :class:`DraftResult`."""
+        (None when greedy), ``component`` the round's copy component (n+1,) float64
+        (:func:`~circuits_llm.decoding.lookup.copy_component`; only with a ``lookup``) ->
+        :class:`DraftResult`."""
+        if (component is None) != (self.lookup is None):
+            raise DecoderError("a round program built with a ContextLookup drafts with a copy "
+                               "component, and only then: pass one exactly when lookup is set")
         with torch.no_grad():
             if self.compiled and self._refresh is not None:
                 self._refresh()
-            return self._result(*self._draft(hidden, c, uniforms))
+            return self._result(*self._draft(hidden, c, uniforms, component))
 
     def head_parameters(self, hidden: Tensor, c: Tensor) -> dict[str, Tensor]:
         """The head's raw parameters for ``hidden`` (1, d) after the verified token ``c`` (1,)
@@ -284,28 +298,38 @@ class RoundProgram:
             return self.static_length
         return self.window - 1 if draft.length is None else int(draft.length)
 
-    def _draft_program(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None
+    def _draft_program(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
+                       component: Tensor | None = None
                        ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """The compiled draft program: ``(block (1, n) long, q (n-1, K) float64 or None when
         greedy, flags (2,) bool: head_ok, possible, length () long: L)`` (see
         :class:`DraftResult`). Few outputs: under CUDA graphs each is copied out once per round.
         The draft-length rule reads the conditionals (computed for it when greedy too) and the
-        drafts, nothing of the target."""
+        drafts, nothing of the target. With a copy ``component`` the draft is the mixture's
+        (:mod:`~circuits_llm.decoding.lookup`): ``q`` is its conditionals and ``L`` at most its cut."""
         raw = self.head_parameters(hidden, c)
         head_ok = torch.stack([_usable(v) for v in raw.values()]).all()
         chooser = None if uniforms is None else UniformTape(uniforms)
         state, value, inside, prepared = self._sample_window(raw, c, chooser)
-        drafted = state[0, 1:]
+        drafted, cut = state[0, 1:], None
+        if component is not None:
+            choose = None if uniforms is None else uniforms[self.tape_length]
+            drafted, cut = overlay(drafted, component, choose)
+            state = torch.cat([state[:, :1], drafted[None]], 1)
         tokens = drafted if self.draft_tokens is None else self.draft_tokens[drafted]
         block = torch.cat([c, tokens])[None]
         possible = inside & torch.isfinite(value).all()
         flags = torch.stack([head_ok, possible])
         rule = self.draft_length
         if uniforms is None and not rule.needs_conditionals:
-            return block, None, flags, rule.decide(None, drafted)
+            length = rule.decide(None, drafted)
+            return block, None, flags, length if cut is None else torch.minimum(length, cut)
         q = self._conditionals(prepared, state)[0]
+        if component is not None:
+            q = mixed_conditionals(q, drafted, component)
         q = torch.where(possible & torch.isfinite(q).all(-1, keepdim=True), q, 0.0)
         length = rule.decide(q, drafted)
+        length = length if cut is None else torch.minimum(length, cut)
         return block, None if uniforms is None else q, flags, length
 
     def _conditionals(self, prepared: object, states: Tensor) -> Tensor:
@@ -327,18 +351,24 @@ class RoundProgram:
         picked = picked.view(batch, n - 1, -1).double()
         return picked / picked.sum(-1, keepdim=True)
 
-    def conditionals(self, hidden: Tensor, c: int, drafts: Tensor) -> Tensor:
+    def conditionals(self, hidden: Tensor, c: int, drafts: Tensor,
+                     component: Tensor | None = None) -> Tensor:
         """The draft's exact conditionals for given drafts, as the draft program computes them
         (eager): ``hidden`` (1, d), ``c`` a model id in the draft vocabulary, ``drafts``
-        (B, n-1) draft-vocabulary indices -> (B, n-1, K) float64. The exact-law enumeration of
-        the tests weighs every possible draft with these."""
+        (B, n-1) draft-vocabulary indices, ``component`` a copy component (mixed in when given)
+        -> (B, n-1, K) float64. The exact-law enumeration of the tests weighs every possible
+        draft with the head's and verifies with these."""
         with torch.no_grad():
             first = torch.tensor([c], device=self.circuit.device)
             prepared = self.circuit.resolve_params(self.head_parameters(hidden, first), None,
                                                    check=False)
             x, _, _ = self._evidence(first)
             states = torch.cat([x[:, :1].expand(drafts.shape[0], 1), drafts.to(x.device)], 1)
-            return self._conditionals(prepared, states)
+            q = self._conditionals(prepared, states)
+            if component is None:
+                return q
+            return torch.stack([mixed_conditionals(row, path, component)
+                                for row, path in zip(q, states[:, 1:], strict=True)])
 
     # ------------------------------------------------------------------ accept
     def accept(self, logits: Tensor, draft: DraftResult, uniforms: Tensor | None) -> Tensor:
@@ -405,36 +435,9 @@ class RoundProgram:
 
     def _decide(self, p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
                 length: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
-        """The decisions of :func:`~circuits_llm.decoding.acceptance.round_law`, computing only what
-        one round reads.
-
-        ``p`` (n, V) float64 target probabilities, ``q`` (n-1, K) the draft's conditionals over
-        the draft vocabulary, ``tokens`` (n-1,) the drafts (model ids), ``tests`` (n-1,) uniforms,
-        ``length`` ``L`` (``None``: ``n - 1``) -> (the number of accepted drafts (), the law of
-        the emitted token (V,)). The same acceptance ratios as :func:`round_law` on the first
-        ``L`` positions (``round_law(p[:L+1], q[:L], draft[:L])``): a position after ``L`` has
-        ratio 0 (never accepted), and when all ``L`` are accepted the bonus row is ``p_{L+1}``. Of
-        the fallback rows only the one that is used (the residual after the first rejection, or
-        the bonus row) is built, so a round touches ``V`` entries once instead of ``(n-1) V``
-        times (large vocabularies)."""
-        drafted = tokens.shape[0]
-        length = drafted if length is None else length
-        q = usable_conditionals(q.double())
-        index = tokens if self.position is None else self.position[tokens]  # draft indices
-        rows = torch.arange(drafted, device=p.device)
-        ratio = acceptance_ratios(p[rows, tokens], q[rows, index])
-        ratio = torch.where(rows < length, ratio, 0.0)  # after L: not drafted, never accepted
-        accepted = torch.cumprod((tests < ratio).long(), 0).sum()
-        p_row = p.index_select(0, accepted[None])[0]  # (V,)
-        q_row = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, accepted[None])[0]
-        if self.draft_tokens is None:
-            residual = (p_row - q_row).clamp_min(0)
-        else:  # q = 0 outside the draft vocabulary: the residual is p there
-            inside = (p_row.index_select(0, self.draft_tokens) - q_row).clamp_min(0)
-            residual = p_row.index_copy(0, self.draft_tokens, inside)
-        mass = residual.sum()
-        residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p_row)
-        return accepted, torch.where(accepted == length, p_row, residual)
+        """:func:`~circuits_llm.decoding.acceptance.round_decisions` with this program's draft
+        vocabulary."""
+        return round_decisions(p, q, tokens, tests, length, self.position, self.draft_tokens)
 
     @staticmethod
     def outcome(packed: Tensor) -> RoundOutcome:

@@ -1,0 +1,199 @@
+"""Drafting from the context: the head's circuit mixed with a copy of an earlier continuation.
+
+Small models, greedy ones above all, repeat themselves: identifiers, call patterns, whole lines
+come back. Prompt-lookup drafting exploits that: find the last earlier place where the context's
+final ``g`` tokens occurred and propose the ``m`` tokens that followed there. Here that proposal
+is not a separate drafter but one more component of the draft's law, so that the round stays
+exact and the head still drafts whenever the context has nothing to copy.
+
+**The draft law.** With the proposal ``s_1..s_m`` (draft-vocabulary indices) and a weight ``w``
+(:class:`ContextLookup` picks it from the matched length ``g``), a round drafts from the mixture
+
+    P(d) = w * [d_1..d_m = s_1..s_m] * H(d_{>m})  +  (1 - w) * H(d)
+
+where ``H`` is the head's circuit conditioned on ``X_0 = c``. The first component is the head's
+circuit with its first ``m`` drafted variables replaced by indicator leaves at the proposal, a
+product that respects any vtree, so the mixture is again a circuit over the window. Drawing from
+it: one uniform picks the component (greedy: the proposal whenever there is one); the head's
+joint draw supplies the rest. Its exact conditionals along the drafted path are
+
+    q_k = pi_{k-1} * onehot(s_k) + (1 - pi_{k-1}) * h_k      (k <= m)
+    q_k = h_k                                                (k > m, off the proposal)
+
+with ``h_k = H(X_k | d_{<k})`` and the posterior of the copy component given the drafted prefix,
+``pi_{k-1} = w [d_{<k} = s_{<k}] / (w [d_{<k} = s_{<k}] + (1 - w) H(d_{<k}))``. The accept test and
+the residual use this ``q`` (:mod:`circuits_llm.decoding.round`).
+
+**The verified length.** When the drafted prefix equals the whole proposal the round verifies at
+most ``m`` drafts (the copy component says nothing useful after it). Whether position ``k`` is
+verified is then decided by ``d_{<k}`` alone (for ``k <= m`` the cut never binds; for ``k > m`` it
+reads ``d_1..d_m``), so the cut is a stopping time of the draft sequence and the argument of
+:mod:`circuits_llm.decoding.draft_length` applies: the output law stays exactly the target's, and
+the draft's law after the cut never matters. ``tests/test_context_lookup.py`` checks all of this
+by enumeration on the toy LM, greedy and sampling, eager and compiled, with a compressed draft
+vocabulary, and detects the bias of a decoder that forgets the mixture in ``q``.
+
+The index is incremental (:class:`LookupIndex`): each emitted token updates one dictionary entry
+per n-gram length, and a proposal is ``max_ngram`` dictionary reads: host work of microseconds
+per round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_llm.decoding.warping import DecoderError
+
+__all__ = ["ContextLookup", "LookupIndex", "copy_component", "mixed_conditionals"]
+
+
+@dataclass(frozen=True)
+class ContextLookup:
+    """Mix a copy of the context's earlier continuation into every round's draft (module
+    docstring).
+
+    Attributes:
+        weights: the copy component's mixture weight ``w`` when the longest n-gram found has
+            length ``g``: ``weights[g - 1]``, each in ``[0, 1]``. ``len(weights)`` is the longest
+            n-gram searched. A weight of 0 never copies on a match of that length. Greedy rounds
+            copy whenever the weight is above 0; the weight still enters the draft's
+            conditionals, which a confident draft-length rule reads.
+    """
+
+    weights: tuple[float, ...] = (0.1, 0.3, 0.5)
+
+    def __post_init__(self) -> None:
+        weights = self.weights
+        if not isinstance(weights, tuple) or not weights:
+            raise DecoderError(f"ContextLookup.weights must be a non-empty tuple of numbers in "
+                               f"[0, 1] (one per n-gram length), got {weights!r}")
+        for weight in weights:
+            if isinstance(weight, bool) or not isinstance(weight, int | float) \
+                    or not 0.0 <= weight <= 1.0:
+                raise DecoderError(f"ContextLookup.weights must hold numbers in [0, 1], got "
+                                   f"{weight!r} in {weights!r}")
+
+    @property
+    def max_ngram(self) -> int:
+        """The longest n-gram searched."""
+        return len(self.weights)
+
+    def describe(self) -> str:
+        """A short label, e.g. ``"lookup 0.1/0.3/0.5"``."""
+        return "lookup " + "/".join(f"{w:g}" for w in self.weights)
+
+
+class LookupIndex:
+    """Where each n-gram of a token sequence last occurred with a token after it.
+
+    ``tokens`` grows with :meth:`extend`; :meth:`propose` returns the continuation of the last
+    earlier occurrence of the longest suffix n-gram (``max_ngram`` down to 1) that has one.
+    """
+
+    def __init__(self, max_ngram: int, tokens: Sequence[int] = ()) -> None:
+        if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
+            raise DecoderError(f"max_ngram must be an int >= 1, got {max_ngram!r}")
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        #: n-gram length -> {n-gram: index of the token that followed its last occurrence}
+        self._next: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens``; every n-gram they complete before another token is indexed."""
+        for token in tokens:
+            end = len(self.tokens)  # the new token's index: it follows the n-grams ending at end-1
+            for length in range(1, min(self.max_ngram, end) + 1):
+                self._next[length - 1][tuple(self.tokens[end - length:end])] = end
+            self.tokens.append(int(token))
+
+    def propose(self, limit: int) -> tuple[list[int], int]:
+        """The continuation (``limit`` tokens) of the last earlier occurrence of the longest suffix
+        n-gram that occurred before, and that n-gram's length ``g``; ``([], 0)`` when no suffix
+        token occurred before. A continuation that reaches the end of the tokens goes on as the
+        copy itself (an overlapping copy, as in LZ77): after ``a b a b`` the suffix ``a b``
+        last occurred 2 tokens back, and the proposal is ``a b a b ...``."""
+        end = len(self.tokens)
+        for length in range(min(self.max_ngram, end), 0, -1):
+            start = self._next[length - 1].get(tuple(self.tokens[end - length:]))
+            if start is not None:  # copied with overlap: a period-p loop continues itself
+                proposal = self.tokens[start:start + limit]
+                while len(proposal) < limit:
+                    proposal.append(proposal[len(proposal) - (end - start)])
+                return proposal, length
+        return [], 0
+
+
+def copy_component(proposal: list[int], ngram: int, lookup: ContextLookup,
+                   position: Sequence[int] | None, drafts: int, device: torch.device) -> Tensor:
+    """The copy component of one round as the draft program's input: (drafts + 2,) float64
+    ``[s_1..s_{n-1}, m, w]`` (the proposal as draft-vocabulary indices, zero-padded; ``m`` its
+    length; ``w`` its weight).
+
+    ``proposal``: model ids from :meth:`LookupIndex.propose`; ``ngram`` its matched length;
+    ``position``: model id -> draft-vocabulary index (-1 outside it), ``None`` without a compressed
+    vocabulary. The proposal is cut before its first token outside the draft vocabulary (the head's
+    ``q`` lives on that vocabulary; the verifier's residual covers the rest).
+    """
+    indices: list[int] = []
+    for token in proposal[:drafts]:
+        index = token if position is None else position[token]
+        if index < 0:
+            break
+        indices.append(index)
+    weight = lookup.weights[ngram - 1] if indices else 0.0
+    values = indices + [0] * (drafts - len(indices)) + [len(indices), weight]
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def overlay(drafted: Tensor, component: Tensor, choose: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Draw from the mixture given the head's joint draw (fixed shapes, no host read).
+
+    Args:
+        drafted: (n-1,) long, the head's draw (draft-vocabulary indices).
+        component: (n+1,) float64 from :func:`copy_component`.
+        choose: () float64 uniform that picks the component when sampling (copy if below ``w``);
+            ``None`` when greedy (copy whenever ``m > 0`` and ``w > 0``).
+
+    Returns:
+        ``(drafts (n-1,) long, cut () long)``: the mixture's draw, and the most drafts the round
+        may verify: ``m`` when the draft starts with the whole proposal, else ``n - 1``.
+    """
+    drafts = drafted.shape[0]
+    proposal, count, weight = component[:drafts].long(), component[drafts].long(), component[-1]
+    active = (count > 0) & (weight > 0)
+    copy = active & ((weight > choose) if choose is not None else torch.ones_like(active))
+    inside = torch.arange(drafts, device=drafted.device) < count
+    drafts_out = torch.where(copy & inside, proposal, drafted)
+    on_path = active & ((drafts_out == proposal) | ~inside).all()
+    cut = torch.where(on_path, count, torch.full_like(count, drafts))
+    return drafts_out, cut
+
+
+def mixed_conditionals(head: Tensor, drafts: Tensor, component: Tensor) -> Tensor:
+    """The mixture's exact conditionals along the drafted path (module docstring).
+
+    Args:
+        head: (n-1, K) float64, the head's conditionals ``h_k = H(X_k | X_0 = c, d_{<k})``.
+        drafts: (n-1,) long, the drafted path (draft-vocabulary indices).
+        component: (n+1,) float64 from :func:`copy_component`.
+
+    Returns:
+        (n-1, K) float64 ``q_k = pi_{k-1} onehot(s_k) + (1 - pi_{k-1}) h_k``; ``pi`` is 0 off the
+        proposal and after its ``m`` tokens.
+    """
+    count = drafts.shape[0]
+    proposal, length, weight = component[:count].long(), component[count].long(), component[-1]
+    steps = torch.arange(count, device=drafts.device)
+    drafted = head.gather(1, drafts[:, None])[:, 0].clamp_min(0).log()  # log h_k(d_k)
+    before = torch.cat([drafted.new_zeros(1), drafted.cumsum(0)[:-1]])  # log H(d_{<k})
+    matched = torch.cumprod((drafts == proposal).long(), 0)
+    matched_before = torch.cat([matched.new_ones(1), matched[:-1]]).bool()  # d_{<k} = s_{<k}
+    odds = torch.log(weight) - torch.log1p(-weight) - before  # log of w / ((1 - w) H(d_{<k}))
+    pi = torch.where(matched_before & (steps < length) & (weight > 0), torch.sigmoid(odds), 0.0)
+    onehot = torch.nn.functional.one_hot(proposal, head.shape[1]).to(head.dtype)
+    return pi[:, None] * onehot + (1 - pi[:, None]) * head
