@@ -200,7 +200,8 @@ def test_the_package_face() -> None:
     from circuits_llm.heads import MTPHead, load_head, register_head_kind, save_head
     from circuits_llm.text.models import load_model
 
-    face = {"DraftLength": DraftLength, "ContextLookup": ContextLookup,"load_model": load_model, "MTPHead": MTPHead, "SpeculativeDecoder": SpeculativeDecoder,
+    face = {"DraftLength": DraftLength, "ContextLookup": ContextLookup,
+            "load_model": load_model, "MTPHead": MTPHead, "SpeculativeDecoder": SpeculativeDecoder,
             "AutoregressiveDecoder": AutoregressiveDecoder, "StopCondition": StopCondition,
             "save_head": save_head, "load_head": load_head, "register_head_kind": register_head_kind}
     assert sorted(circuits_llm.__all__) == sorted(face)
