@@ -26,7 +26,16 @@ import torch
 from cuda_graph_double import CudaGraphDouble
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy import ToyHead, ToyLM, decoder_law, law_p_value, target_law, total_variation
+from toy import (
+    ToyHead,
+    ToyLM,
+    constrained_decoder_law,
+    constrained_target_law,
+    decoder_law,
+    law_p_value,
+    target_law,
+    total_variation,
+)
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from circuits_llm.constraints import Regex, TokenAutomaton
@@ -335,21 +344,79 @@ def test_lookup_errors_are_clear() -> None:
         program.draft(torch.zeros(1, lm.hidden_size, dtype=torch.float64), torch.tensor([0]), None)
 
 
-def test_lookup_drafts_freely_under_a_constraint_and_refuses_the_product() -> None:
+def _regex_world() -> tuple[TokenAutomaton, int]:
+    """The automaton of ``(a|bc)*d`` over a 5-word tokenizer (``<eos>`` a b c d = 0..4)."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
     words = {"<eos>": 0, "a": 1, "b": 2, "c": 3, "d": 4}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab=words, unk_token="<eos>")),
         eos_token="<eos>")
-    automaton = TokenAutomaton.build(Regex("(a|bc)*d"), tokenizer)
-    head = ToyHead("cp", 3, 2, 6, 5, seed=2)
-    decoder = SpeculativeDecoder(ToyLM(5, seed=1, draft_branch=True), head, lookup=LOOKUP)
-    with pytest.raises(DecoderError, match="constrained_drafting"):
-        decoder.generate([1, 1, 1], 8, constraint=automaton)
-    free = SpeculativeDecoder(ToyLM(5, seed=1, draft_branch=True), head, lookup=LOOKUP,
-                              constrained_drafting=ConstrainedDrafting.FREE)
-    reference = AutoregressiveDecoder(ToyLM(5, seed=1, draft_branch=True))
-    for prompt in ([1, 1, 1], [2, 3, 2, 3]):
-        got = free.generate(prompt, 12, constraint=automaton).tokens.tolist()
-        assert got == reference.generate(prompt, 12, constraint=automaton).tokens.tolist()
+    return TokenAutomaton.build(Regex("(a|bc)*d"), tokenizer), len(words)
+
+
+AUTOMATON, WORDS = _regex_world()
+
+
+@pytest.mark.parametrize("draft_tokens", [None, (1, 2, 4)], ids=["full", "no-c"])
+@pytest.mark.parametrize("config", [SamplingConfig(1.0), SamplingConfig(1.0, top_k=2)],
+                         ids=["sampling", "top_k"])
+@pytest.mark.parametrize(("architecture", "rank"), [("ff", 1), ("hmm", 2), ("btree", 2)])
+def test_the_copy_mixed_into_the_constraint_product_is_exact(
+        architecture: str, rank: int, config: SamplingConfig,
+        draft_tokens: tuple[int, ...] | None) -> None:
+    """The head x automaton product with the copy mixed into its sequential draw: the output law
+    is constrained AR's (enumerated); the copy fires (the prompt ends with a repeated n-gram
+    whose continuation the automaton allows), and with ``c`` outside the draft vocabulary the
+    copy is cut there."""
+    lm = ToyLM(WORDS, seed=1, draft_branch=True)
+    head = ToyHead(architecture, 3, rank, 6, WORDS, seed=2, draft_tokens=draft_tokens)
+    lookup = ContextLookup((0.4, 0.7))
+    for prompt in ([2, 3, 2, 3], [1, 1, 1]):
+        law = constrained_decoder_law(lm, head, AUTOMATON, prompt, 3, config,
+                                      ConstrainedDrafting.PRODUCT, lookup=lookup)
+        want = constrained_target_law(lm, AUTOMATON, prompt, 3, config)
+        assert total_variation(law, want) <= EXACT_TV
+
+
+def test_the_copy_in_the_product_verified_with_the_products_conditionals_is_biased() -> None:
+    """Negative control: the same mixture draws, accepted against the product's own ``q``."""
+    lm = ToyLM(WORDS, seed=1, draft_branch=True)
+    head = ToyHead("btree", 3, 2, 6, WORDS, seed=2)
+    config = SamplingConfig(1.0)
+    law = constrained_decoder_law(lm, head, AUTOMATON, [2, 3, 2, 3], 3, config,
+                                  ConstrainedDrafting.PRODUCT, lookup=ContextLookup((0.4, 0.7)),
+                                  mixed_q=False)
+    want = constrained_target_law(lm, AUTOMATON, [2, 3, 2, 3], 3, config)
+    assert abs(sum(law.values()) - 1) < 1e-12 and total_variation(law, want) > BIASED_TV
+
+
+@pytest.mark.parametrize("drafting", list(ConstrainedDrafting), ids=lambda d: d.value)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph-double"])
+def test_greedy_with_lookup_under_a_constraint_is_constrained_autoregressive(
+        drafting: ConstrainedDrafting, compiled: bool) -> None:
+    head = ToyHead("btree", 4, 2, 6, WORDS, seed=2)
+    reference = AutoregressiveDecoder(ToyLM(WORDS, seed=1, draft_branch=True))
+    double = CudaGraphDouble()
+    with use_compiler(double):
+        decoder = SpeculativeDecoder(ToyLM(WORDS, seed=1, draft_branch=True), head, lookup=LOOKUP,
+                                     constrained_drafting=drafting, compile=compiled,
+                                     draft_length=DraftLength.confident(0.2))
+    for prompt in ([1, 1, 1], [2, 3, 2, 3], [1, 2, 3, 1, 2, 3]):
+        got = decoder.generate(prompt, 16, constraint=AUTOMATON).tokens.tolist()
+        assert got == reference.generate(prompt, 16, constraint=AUTOMATON).tokens.tolist()
+
+
+def test_sampled_constrained_generate_with_lookup_matches_the_law() -> None:
+    """Chi-square of 400 real decodes through the product with the copy against constrained
+    AR's enumerated law."""
+    lm = ToyLM(WORDS, seed=1, draft_branch=True)
+    head = ToyHead("hmm", 3, 2, 6, WORDS, seed=2)
+    decoder = SpeculativeDecoder(lm, head, lookup=ContextLookup((0.5, 0.8)))
+    law = constrained_target_law(ToyLM(WORDS, seed=1, draft_branch=True), AUTOMATON,
+                                 [2, 3, 2, 3], 3, SamplingConfig(1.0))
+    generator = torch.Generator().manual_seed(11)
+    samples = [tuple(decoder.generate([2, 3, 2, 3], 3, 1.0, generator=generator,
+                                      constraint=AUTOMATON).tokens.tolist())
+               for _ in range(400)]
+    assert law_p_value(samples, law) > 1e-3

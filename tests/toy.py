@@ -31,7 +31,12 @@ from circuits.compiled import CompiledCircuit, compile
 from circuits.templates import build
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law, transition, usable_conditionals
 from circuits_llm.decoding.draft_length import DraftLength
-from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, copy_component
+from circuits_llm.decoding.lookup import (
+    ContextLookup,
+    LookupIndex,
+    copy_component,
+    mixed_conditionals,
+)
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig, target_probs
 from circuits_llm.protocols import BackboneStep
@@ -379,12 +384,19 @@ def _masked_rows(logits: Tensor, automaton: object, state: int, drafts: Sequence
     return logits.masked_fill(~mask, float("-inf"))
 
 
-def _product_drafts(drafter: object, params: object, c: int, state: int, greedy: bool
+def _product_drafts(drafter: object, params: object, c: int, state: int, greedy: bool,
+                    component: Tensor | None = None, mixed_q: bool = True
                     ) -> list[tuple[Tensor, Tensor, int, float]]:
     """Every draft :class:`ProductDrafter` can make after ``c`` in automaton state ``state``:
     ``(tokens (n-1,) model ids, q (n-1, K) its conditionals, L, probability)``. Sampling: the
     tree of :meth:`AutomatonProduct.draw`'s own conditionals (the draw is steered along every
-    branch with ``choose``); greedy: the drafter's own (argmax) draft, with a one-hot ``q``."""
+    branch with ``choose``); greedy: the drafter's own (argmax) draft, with a one-hot ``q``.
+
+    ``component``: a copy of the context mixed into the product (the decoder's ``lookup``): the
+    tree's branches then follow the mixture's conditionals (:func:`mixed_conditionals` of the
+    product's rows along each prefix, the copy cut where the automaton forbids it), and a draft
+    that starts with the whole copy is verified up to its length. ``mixed_q=False``: the accept
+    test reads the product's own conditionals instead (the negative control)."""
     d = drafter
     n = d.window  # type: ignore[attr-defined]
     size = d.draft_tokens.numel()  # type: ignore[attr-defined]
@@ -395,6 +407,14 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
                  0, 1.0)]
     start = d.local[state]  # type: ignore[attr-defined]
     automaton = d.table.restart(start)  # type: ignore[attr-defined]
+    copy = None if component is None else d.allowed_copy(component, start)  # type: ignore[attr-defined]
+
+    def copy_cut(values: list[int]) -> int:
+        if copy is None:
+            return n - 1
+        count, weight = int(copy[-2]), float(copy[-1])
+        whole = values[:count] == copy[:count].long().tolist()
+        return count if count > 0 and weight > 0 and whole else n - 1
 
     def verified_length(values: list[int]) -> int:
         local, walk = start, []
@@ -404,11 +424,11 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
         return next((k for k, s in enumerate(walk) if s == d.sink), n - 1)  # type: ignore[attr-defined]
 
     if greedy:
-        result, _ = d.draft(params, c, state, None)  # type: ignore[attr-defined]
+        result, _ = d.draft(params, c, state, None, None, component)  # type: ignore[attr-defined]
         tokens = result.tokens.cpu()
         values = [int(d.position[t]) for t in tokens.tolist()]  # type: ignore[attr-defined]
         one_hot = torch.nn.functional.one_hot(torch.tensor(values), size).double()
-        assert int(result.length) == verified_length(values)
+        assert int(result.length) == min(verified_length(values), copy_cut(values))
         return [(tokens, one_hot, int(result.length), 1.0)]
 
     leaves: list[tuple[Tensor, Tensor, int, float]] = []
@@ -422,15 +442,19 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
         drawn = d.product.draw(params, automaton, torch.tensor([index]),  # type: ignore[attr-defined]
                                consume_from=1, choose=choose)
         assert drawn.length == n - 1
-        q = drawn.conditionals.cpu()
+        rows = drawn.conditionals.cpu()
+        path = drawn.values[1:].cpu()
+        q = rows if copy is None else mixed_conditionals(rows, path, copy)
         for x in q[len(prefix)].nonzero()[:, 0].tolist():
             values = [*prefix, x]
             if len(values) < n - 1:
                 expand(values)
                 continue
-            weight = float(q[torch.arange(n - 1), torch.tensor(values)].prod())
-            leaves.append((d.draft_tokens[torch.tensor(values)], q,  # type: ignore[attr-defined]
-                           verified_length(values), weight))
+            final = q if copy is None else mixed_conditionals(rows, torch.tensor(values), copy)
+            weight = float(final[torch.arange(n - 1), torch.tensor(values)].prod())
+            leaves.append((d.draft_tokens[torch.tensor(values)],  # type: ignore[attr-defined]
+                           final if mixed_q else rows,
+                           min(verified_length(values), copy_cut(values)), weight))
 
     expand([])
     return leaves
@@ -438,14 +462,16 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
 
 def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt: Sequence[int],
                             length: int, config: SamplingConfig, drafting: object,
-                            policy: CorrectionPolicy = CorrectionPolicy.EXACT) -> Law:
+                            policy: CorrectionPolicy = CorrectionPolicy.EXACT,
+                            lookup: ContextLookup | None = None, mixed_q: bool = True) -> Law:
     """The exact law of the first ``length`` tokens of ``SpeculativeDecoder(lm, head,
     constrained_drafting=drafting).generate(prompt, length, constraint=automaton)`` (CPU).
 
     Enumerates every draft with its exact draft probability: ``PRODUCT``: the tree of the
     conditionals of the head's circuit times the drafter's automaton (the one
     :class:`~circuits_llm.decoding.constrained.ProductDrafter` builds: free rows, sink, ``L`` = the
-    drafts before the free part); ``FREE``: :meth:`RoundProgram.conditionals` as
+    drafts before the free part; with ``lookup``, the copy of the context mixed in:
+    :func:`_product_drafts`); ``FREE``: :meth:`RoundProgram.conditionals` as
     :func:`decoder_law` does. Greedy: the decoder's own draft (one-hot ``q``). Every accept/reject
     outcome comes from :func:`round_law` on the target rows masked by the automaton states along
     the draft, every state change from :func:`transition`; decoding ends after the automaton's EOS.
@@ -503,7 +529,13 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
                 with torch.no_grad():
                     params = head.circuit.log_parameters(
                         program.head_parameters(hidden, torch.tensor([c])))
-                drafts = _product_drafts(drafter, params, c, state, config.greedy)
+                component = None
+                if lookup is not None:
+                    proposal, ngram = LookupIndex(lookup.max_ngram, sequence).propose(window - 1)
+                    component = copy_component(proposal, ngram, lookup, drafter.position.tolist(),
+                                               window - 1, torch.device("cpu"))
+                drafts = _product_drafts(drafter, params, c, state, config.greedy, component,
+                                         mixed_q)
             else:
                 drafts = free_drafts(hidden, c)
             for tokens, q_compact, verified, weight in drafts:

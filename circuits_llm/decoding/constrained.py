@@ -43,6 +43,7 @@ from circuits.automata import Automaton
 from circuits.compiled.automaton_product import AutomatonProduct
 from circuits_llm.constraints import ConstraintError, JsonSchema, Regex, TokenAutomaton
 from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.lookup import SequentialCopy
 from circuits_llm.decoding.round import DraftResult
 from circuits_llm.decoding.warping import DecoderError
 
@@ -189,14 +190,18 @@ class ProductDrafter:
         self.build_seconds = time.perf_counter() - start
 
     def draft(self, params: object, c: int, state: int, uniforms: Tensor | None,
-              rule: DraftLength | None = None) -> tuple[DraftResult, float]:
+              rule: DraftLength | None = None, component: Tensor | None = None
+              ) -> tuple[DraftResult, float]:
         """One round's draft after the known token ``c`` from automaton state ``state``.
 
         ``params``: the head's checked parameters for this round; ``uniforms``: (n-1,) float64
         (sampling) or None (greedy); ``rule``: the decoder's draft-length rule, applied to the
-        product's own conditionals (``None``: verify every draft before the free part). Returns
-        the :class:`DraftResult` the accept program reads (``length``: the drafts before the free
-        part, at most the rule's) and the seconds it took.
+        draft's conditionals (``None``: verify every draft before the free part); ``component``:
+        a copy of the context (:func:`~circuits_llm.decoding.lookup.copy_component`) mixed into
+        the product (:class:`~circuits_llm.decoding.lookup.SequentialCopy`; cut here before its
+        first draft the automaton forbids from ``state``). Returns the :class:`DraftResult` the
+        accept program reads (``length``: the drafts before the free part, at most the rule's and
+        the copy's cut) and the seconds it took.
         """
         start = time.perf_counter()
         n, device = self.window, self.device
@@ -207,9 +212,11 @@ class ProductDrafter:
         possible = index >= 0 and state in self.local
         if possible:
             automaton = self.table.restart(self.local[state])
+            copy = None if component is None else \
+                SequentialCopy(self.allowed_copy(component, self.local[state]), uniforms)
             drawn = self.product.draw(params, automaton,  # type: ignore[arg-type]
                                       torch.tensor([index], device=device), consume_from=1,
-                                      uniforms=uniforms)
+                                      uniforms=uniforms if copy is None else None, choose=copy)
             self.last_size = drawn.size
             possible = drawn.length > 0
             if possible:
@@ -219,14 +226,37 @@ class ProductDrafter:
                     local = int(self.table.next_state[local, value])
                     walk.append(local)
                 length = next((k for k, s in enumerate(walk) if s == self.sink), drawn.length)
+                q = drawn.conditionals if copy is None else copy.conditionals().to(device)
+                if copy is not None:  # a draw that starts with the whole copy: at most its length
+                    length = min(length, copy.cut())
                 if rule is not None and rule != DraftLength.fixed():
-                    # a draft-side stopping time of the product's own draft: the law stays exact
-                    length = min(length, int(rule.decide(drawn.conditionals, values)))
+                    # a draft-side stopping time of the draft: the law stays exact
+                    length = min(length, int(rule.decide(q, values)))
                 # the drafts after the free part are never verified: any draft-vocabulary ids
                 tokens = self.draft_tokens.to(device)[values]
-                q = drawn.conditionals.to(device)
+                q = q.to(device)
         block = torch.cat([torch.tensor([c], device=device), tokens])[None]
         flags = torch.tensor([True, possible], device=device)
         result = DraftResult(block[0, 1:], block, None if uniforms is None else q, flags[0],
                              flags[1], torch.tensor(length, device=device))
         return result, time.perf_counter() - start
+
+    def allowed_copy(self, component: Tensor, local: int) -> Tensor:
+        """``component`` with its proposal cut before the first draft the drafter's automaton
+        forbids (or whose state has no draftable token) from its state ``local``: a function of
+        the history, so the mixture stays a law fixed before the round."""
+        drafts = component.shape[0] - 2
+        count, allowed = int(component[-2]), 0
+        for value in component[:count].long().tolist():
+            local = int(self.table.next_state[local, value])
+            if local < 0 or local == self.sink:
+                break
+            allowed += 1
+        if allowed == count:
+            return component
+        cut = component.clone()
+        cut[allowed:drafts] = 0
+        cut[-2] = allowed
+        if allowed == 0:
+            cut[-1] = 0.0
+        return cut

@@ -105,8 +105,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         lookup: mix a copy of the context into every round's draft
             (:class:`~circuits_llm.decoding.lookup.ContextLookup`: the continuation of the last
             earlier occurrence of the output's final n-gram, one more component of the draft's
-            circuit; exact). ``None`` (default): the head alone. Not combined with the
-            constraint product (``constrained_drafting=FREE`` combines).
+            circuit; exact). ``None`` (default): the head alone. Combines with the constraint
+            product too (mixed into the product's sequential draw, the copy cut before its first
+            token the constraint forbids).
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
@@ -201,10 +202,6 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         """The decode loop, with the output indexed for the copy component when ``lookup``."""
         if self.lookup is None:
             return super()._decode(prompt, stop, config, generator, tracker)
-        if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT:
-            raise DecoderError("a ContextLookup does not combine with the head x constraint "
-                               "product: build the decoder with constrained_drafting="
-                               "ConstrainedDrafting.FREE, or without lookup")
         self._index = LookupIndex(self.lookup.max_ngram, prompt)
         try:
             return super()._decode(prompt, stop, config, generator, tracker)
@@ -244,7 +241,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             draws = None if config.greedy else torch.rand(
                 program.window - 1, generator=generator, dtype=torch.float64, device=clock)
             drafter = self._drafter(tracker)
-            draft, seconds = drafter.draft(params, c, tracker.state, draws, self.draft_length)
+            draft, seconds = drafter.draft(params, c, tracker.state, draws, self.draft_length,
+                                           self._component(program))
             tracker.pending += seconds
             size = drafter.last_size
             length = int(draft.length)  # type: ignore[arg-type]

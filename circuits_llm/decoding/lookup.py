@@ -33,6 +33,10 @@ the draft's law after the cut never matters. ``tests/test_context_lookup.py`` ch
 by enumeration on the toy LM, greedy and sampling, eager and compiled, with a compressed draft
 vocabulary, and detects the bias of a decoder that forgets the mixture in ``q``.
 
+Under a constraint's head x automaton product, which draws one draft at a time from its exact
+conditionals, :class:`SequentialCopy` draws the same mixture that way (with the product in place
+of the head, the copy cut before its first token the automaton forbids).
+
 The index is incremental (:class:`LookupIndex`): each emitted token updates one dictionary entry
 per n-gram length, and a proposal is ``max_ngram`` dictionary reads: host work of microseconds
 per round.
@@ -48,7 +52,7 @@ from torch import Tensor
 
 from circuits_llm.decoding.warping import DecoderError
 
-__all__ = ["ContextLookup", "LookupIndex", "copy_component", "mixed_conditionals"]
+__all__ = ["ContextLookup", "LookupIndex", "SequentialCopy", "copy_component", "mixed_conditionals"]
 
 
 @dataclass(frozen=True)
@@ -197,3 +201,66 @@ def mixed_conditionals(head: Tensor, drafts: Tensor, component: Tensor) -> Tenso
     pi = torch.where(matched_before & (steps < length) & (weight > 0), torch.sigmoid(odds), 0.0)
     onehot = torch.nn.functional.one_hot(proposal, head.shape[1]).to(head.dtype)
     return pi[:, None] * onehot + (1 - pi[:, None]) * head
+
+
+class SequentialCopy:
+    """The mixture's draw one variable at a time, for a drafter that draws each draft from its
+    conditional given the earlier ones (the head x constraint product,
+    :class:`~circuits_llm.decoding.constrained.ProductDrafter`): a ``choose`` callback.
+
+    Called with the drafter's conditional ``h_k`` (K,) for ``k = 1, 2, ..`` in turn, it returns
+    the draft: the copy's ``s_k`` when greedy and the drafts so far are the copy's, else the draw
+    of the mixture's conditional ``q_k`` (:func:`mixed_conditionals`, the same function the round
+    program uses) at the round's uniform (inverse CDF), else the argmax of ``h_k``.
+
+    Args:
+        component: (n+1,) float64 from :func:`copy_component`, its proposal already cut to
+            drafts the drafter can make.
+        uniforms: (n-1,) float64 in [0, 1) (sampling) or None (greedy).
+    """
+
+    def __init__(self, component: Tensor, uniforms: Tensor | None) -> None:
+        self.component = component.cpu()
+        self.drafts = component.shape[0] - 2
+        self.uniforms = None if uniforms is None else uniforms.tolist()
+        self.rows = torch.zeros(self.drafts, 0, dtype=torch.float64)
+        self.path: list[int] = []
+
+    def mixed(self, rows: Tensor, path: list[int]) -> Tensor:
+        """:func:`mixed_conditionals` of the first ``len(path)`` rows (the rest padded)."""
+        padded = torch.zeros(self.drafts, rows.shape[1], dtype=torch.float64)
+        padded[:rows.shape[0]] = rows.cpu()
+        drafts = torch.tensor(path + [0] * (self.drafts - len(path)), dtype=torch.long)
+        return mixed_conditionals(padded, drafts, self.component)[:rows.shape[0]]
+
+    def __call__(self, conditional: Tensor) -> int:
+        k = len(self.path)
+        rows = torch.cat([self.rows[:k], conditional.cpu().double()[None]]) if k else \
+            conditional.cpu().double()[None]
+        self.rows = rows
+        count, weight = int(self.component[-2]), float(self.component[-1])
+        copying = weight > 0 and k < count and \
+            self.path == self.component[:k].long().tolist()
+        if self.uniforms is None:
+            pick = int(self.component[k]) if copying else int(conditional.argmax())
+        else:
+            q = self.mixed(rows, [*self.path, 0])[k]
+            cdf = q.cumsum(0)
+            pick = int(torch.searchsorted(cdf, self.uniforms[k] * float(cdf[-1]), right=True))
+            if pick >= q.shape[0] or not q[pick] > 0:  # u above a rounded-down total
+                pick = int((q > 0).nonzero()[-1])
+        self.path.append(pick)
+        return pick
+
+    def conditionals(self) -> Tensor:
+        """(n-1, K) the mixture's conditionals along the drawn path (rows after it: zero)."""
+        out = torch.zeros(self.drafts, self.rows.shape[1], dtype=torch.float64)
+        out[:len(self.path)] = self.mixed(self.rows, self.path)
+        return out
+
+    def cut(self) -> int:
+        """The most drafts the round may verify: ``m`` when the draw starts with the whole copy,
+        else ``n - 1``."""
+        count, weight = int(self.component[-2]), float(self.component[-1])
+        whole = self.path[:count] == self.component[:count].long().tolist()
+        return count if count > 0 and weight > 0 and whole else self.drafts
