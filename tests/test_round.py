@@ -25,6 +25,7 @@ from circuits_llm.decoding.decoder import (
     DecoderError,
     SpeculativeDecoder,
 )
+from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig
 
@@ -135,9 +136,9 @@ def test_programs_trace_to_one_graph(architecture: str, rank: int,
     c = torch.tensor([2])
     uniforms = None if greedy else program.draw_uniforms(torch.Generator().manual_seed(0))
     with torch.no_grad():
-        explained = torch._dynamo.explain(program._draft_eager)(hidden, c, uniforms)
+        explained = torch._dynamo.explain(program._draft_program)(hidden, c, uniforms)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-        draft = program._draft_eager(hidden, c, uniforms)
+        draft = program._result(*program._draft_program(hidden, c, uniforms))
         logits = torch.randn(4, VOCAB, dtype=torch.float64)
         explained = torch._dynamo.explain(program._accept_eager)(
             logits, draft.tokens, draft.q, draft.possible, uniforms)
@@ -177,3 +178,23 @@ def test_compiled_sampling_matches_the_exact_law(
                for _ in range(300)]
     assert set(samples) <= set(law)
     assert law_p_value(samples, law) > 1e-3
+
+
+def test_compiled_rounds_over_an_eager_backbone_compile_once() -> None:
+    """An eager backbone hands the round hidden states that are views of blocks of different
+    lengths (the prefill, then ``L + 1`` tokens), so their strides differ; the round program
+    copies them to one layout, so after the first call no round compiles again (it used to
+    compile once per block length, seconds each on a CPU)."""
+    from torch._dynamo.utils import counters
+
+    head = ToyHead("cp", 3, 2, 6, VOCAB, seed=6)
+    decoder = SpeculativeDecoder(ToyLM(VOCAB, draft_branch=True, seed=6), head, compile=True,
+                                 draft_length=DraftLength.confident(0.3, minimum=0))
+    decoder.generate([1, 2, 0], 12, 1.0, generator=torch.Generator().manual_seed(0))
+    graphs = counters["stats"]["unique_graphs"]
+    lengths = set()
+    for seed, prompt in enumerate(([0, 1], [2, 2, 1, 0, 3], [3, 1, 2, 0])):
+        result = decoder.generate(prompt, 12, 1.0, generator=torch.Generator().manual_seed(seed))
+        lengths |= {r.drafted for r in result.rounds}
+    assert len(lengths) >= 2, lengths
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -244,8 +244,10 @@ class RoundProgram:
             raise DecoderError("a round program built with a ContextLookup drafts with a copy "
                                "component, and only then: pass one exactly when lookup is set")
         with torch.no_grad():
-            if self.compiled and self._refresh is not None:
-                self._refresh()
+            if self.compiled:  # one stride whatever block the hidden state came from: one graph
+                hidden = hidden.clone(memory_format=torch.contiguous_format)
+                if self._refresh is not None:
+                    self._refresh()
             return self._result(*self._draft(hidden, c, uniforms, component))
 
     def head_parameters(self, hidden: Tensor, c: Tensor) -> dict[str, Tensor]:
@@ -279,10 +281,6 @@ class RoundProgram:
         value = circuit.evaluate(x, observed, prepared, semiring=semiring, trace=trace)
         state = descend(circuit, trace, x, observed, chooser if chooser is not None else argmax_chooser)
         return state, value, inside, prepared
-
-    def _draft_eager(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None) -> DraftResult:
-        """The draft program as a :class:`DraftResult` (eager; also traced whole by the tests)."""
-        return self._result(*self._draft_program(hidden, c, uniforms))
 
     @staticmethod
     def _result(block: Tensor, q: Tensor | None, flags: Tensor, length: Tensor) -> DraftResult:
