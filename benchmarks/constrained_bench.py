@@ -14,7 +14,9 @@ thread, in one process:
 * ``<head> product``: drafts from the head's circuit times the automaton over the window
   (:attr:`ConstrainedDrafting.PRODUCT`);
 * ``btree ... conf0.3``: the same BTree arms verifying only the drafts the head is confident of
-  (``DraftLength.confident(0.3)``, a draft-side rule: the law is unchanged).
+  (``DraftLength.confident(0.3)``, a draft-side rule: the law is unchanged);
+* ``<head> product copy``: the product with a copy of the context mixed into every draft
+  (:class:`~circuits_llm.decoding.lookup.ContextLookup`; the prompt shows the schema's keys).
 
 Reported per arm and mode (greedy, sampling at temperature 1): tokens per round, acceptance per
 draft position, decoding tokens/s and the ratio to constrained AR, the constraint work per round
@@ -48,6 +50,7 @@ from circuits_llm.constraints import JsonSchema, TokenAutomaton, clear_cache
 from circuits_llm.decoding.constrained import ConstrainedDrafting
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.metrics import DecodeResult
 from circuits_llm.runtime.timing import machine_info, publish
 from circuits_llm.text.models import load_model
@@ -187,6 +190,13 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
                 decoders[f"{name} {drafting.value} conf{CONFIDENCE:g}"] = SpeculativeDecoder(
                     ready.backbone, ready.head, constrained_drafting=drafting,
                     draft_length=DraftLength.confident(CONFIDENCE))
+        # the product with a copy of the context mixed in (the prompt shows the schema's keys)
+        decoders[f"{name} product copy"] = SpeculativeDecoder(ready.backbone, ready.head,
+                                                              lookup=ContextLookup())
+        if name == "btree":
+            decoders[f"{name} product copy conf{CONFIDENCE:g}"] = SpeculativeDecoder(
+                ready.backbone, ready.head, lookup=ContextLookup(),
+                draft_length=DraftLength.confident(CONFIDENCE))
     arms: dict[str, dict[str, Any]] = {}
     greedy_equal: dict[str, bool] = {}
     for mode, temperature in (("greedy", 0.0), ("sampling", 1.0)):
