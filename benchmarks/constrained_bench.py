@@ -242,9 +242,9 @@ def format_table(record: dict[str, Any]) -> str:
              f"({record['machine']['torch_threads']} thread); verify forward of "
              f"{record['config']['window']} tokens {verify:.1f} ms, AR step "
              f"{record['backbone_ms']['ar_step']:.1f} ms",
-             f"{'arm':<32}{'tok/round':>10}{'tok/s':>8}{'vs AR':>7}{'constr ms':>10}"
+             f"{'arm':<40}{'tok/round':>10}{'tok/s':>8}{'vs AR':>7}{'constr ms':>10}"
              f"{'% verify':>9}{'valid':>7}  acceptance by position",
-             "-" * 110]
+             "-" * 118]
     for mode in ("greedy", "sampling"):
         ar = record["arms"][f"ar | {mode}"]["throughput"]
         for key, arm in record["arms"].items():
@@ -252,7 +252,7 @@ def format_table(record: dict[str, Any]) -> str:
                 continue
             ratio = arm["throughput"] / ar if ar else 0.0
             positions = " ".join(f"{a:.2f}" for a in arm["acceptance_by_position"])
-            lines.append(f"{key:<32}{arm['tokens_per_round']:>10.2f}{arm['throughput']:>8.1f}"
+            lines.append(f"{key:<40}{arm['tokens_per_round']:>10.2f}{arm['throughput']:>8.1f}"
                          f"{ratio:>6.2f}x{arm['constraint_ms_per_round']:>10.2f}"
                          f"{100 * arm['constraint_ms_per_round'] / verify:>8.1f}%"
                          f"{arm['valid']:>4}/{arm['outputs']:<2}  {positions}")
