@@ -35,13 +35,11 @@ from toy import (
     Law,
     ToyHead,
     ToyLM,
-    _product_drafts,
-    constrained_decoder_law,
-    constrained_target_law,
     law_p_value,
     target_law,
     total_variation,
 )
+from toy_constrained import _product_drafts, constrained_decoder_law, constrained_target_law
 
 from circuits_llm.constraints import ConstraintError, Regex, TokenAutomaton
 from circuits_llm.decoding.acceptance import CorrectionPolicy

@@ -29,13 +29,12 @@ from hypothesis import strategies as st
 from toy import (
     ToyHead,
     ToyLM,
-    constrained_decoder_law,
-    constrained_target_law,
     decoder_law,
     law_p_value,
     target_law,
     total_variation,
 )
+from toy_constrained import constrained_decoder_law, constrained_target_law
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from circuits_llm.constraints import Regex, TokenAutomaton

@@ -24,12 +24,11 @@ from test_training import config as training_config
 from test_training import make_corpus, tiny_llama, train
 from toy import (
     ToyLM,
-    constrained_decoder_law,
-    constrained_target_law,
     decoder_law,
     target_law,
     total_variation,
 )
+from toy_constrained import constrained_decoder_law, constrained_target_law
 
 from circuits.errors import InvalidInputError
 from circuits_llm.decoding.acceptance import CorrectionPolicy

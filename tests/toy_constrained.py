@@ -1,0 +1,266 @@
+"""Exact laws of constrained decoding on the toy LM of :mod:`toy`, by enumeration.
+
+:func:`constrained_target_law` is constrained autoregressive decoding's law (the logits masked by a
+token automaton's state, then warped); :func:`constrained_decoder_law` is the speculative decoder's
+under a constraint, FREE or PRODUCT drafting (the head's circuit times the automaton, optionally
+mixed with a copy of the context), enumerated with the decoder's own round functions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from toy import Law, ToyHead, ToyLM
+
+from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law, transition
+from circuits_llm.decoding.lookup import (
+    ContextLookup,
+    LookupIndex,
+    copy_component,
+    mixed_conditionals,
+)
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.warping import SamplingConfig, target_probs
+
+
+def _allowed_mask(automaton: object, state: int, vocab: int) -> Tensor:
+    """(V,) bool: the ids ``automaton`` allows in ``state`` (read from ``allowed``, not ``mask``)."""
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[automaton.allowed(state)] = True  # type: ignore[attr-defined]
+    return mask
+
+
+def _cut_at(tokens: tuple[int, ...], eos: int) -> tuple[tuple[int, ...], bool]:
+    """``tokens`` up to and including the first ``eos``, and whether there was one."""
+    if eos in tokens:
+        return tokens[:tokens.index(eos) + 1], True
+    return tokens, False
+
+
+def constrained_target_law(lm: ToyLM, automaton: object, prompt: Sequence[int], length: int,
+                           config: SamplingConfig) -> Law:
+    """The exact law of the first ``length`` tokens of constrained autoregressive decoding.
+
+    At every step the logits are masked by the automaton's state after the output so far (the
+    prompt is not read; disallowed ids get ``-inf``), *then* warped (:func:`target_probs`).
+    Decoding stops after the automaton's EOS (kept): such sequences are shorter than ``length``.
+    """
+    eos, vocab = automaton.eos_token_id, lm.vocab_size  # type: ignore[attr-defined]
+    law: Law = {}
+
+    def walk(tokens: tuple[int, ...], state: int, prob: float) -> None:
+        if len(tokens) == length or (tokens and tokens[-1] == eos):
+            law[tokens] = law.get(tokens, 0.0) + prob
+            return
+        logits = lm.next_token_logits([*prompt, *tokens])
+        masked = logits.masked_fill(~_allowed_mask(automaton, state, vocab), float("-inf"))
+        p = target_probs(masked, config)
+        for y in range(vocab):
+            if p[y] > 0:
+                walk((*tokens, y), automaton.advance(state, y), prob * float(p[y]))  # type: ignore[attr-defined]
+
+    walk((), automaton.initial_state, 1.0)  # type: ignore[attr-defined]
+    return law
+
+
+def _masked_rows(logits: Tensor, automaton: object, state: int, drafts: Sequence[int]) -> Tensor:
+    """``logits`` (L+1, V) of ``[c, d_1..d_L]``, row ``k`` masked by the state after
+    ``d_1..d_k``; after a draft the automaton forbids, the last state (those rows are unreachable:
+    that draft has target probability 0)."""
+    vocab = logits.shape[-1]
+    states = [state]
+    for token in drafts:
+        allowed = _allowed_mask(automaton, states[-1], vocab)
+        if not bool(allowed[token]):
+            break
+        states.append(automaton.advance(states[-1], token))  # type: ignore[attr-defined]
+    states += [states[-1]] * (len(drafts) + 1 - len(states))
+    mask = torch.stack([_allowed_mask(automaton, s, vocab) for s in states]).to(logits.device)
+    return logits.masked_fill(~mask, float("-inf"))
+
+
+def _product_drafts(drafter: object, params: object, c: int, state: int, greedy: bool,
+                    component: Tensor | None = None, mixed_q: bool = True
+                    ) -> list[tuple[Tensor, Tensor, int, float]]:
+    """Every draft :class:`ProductDrafter` can make after ``c`` in automaton state ``state``:
+    ``(tokens (n-1,) model ids, q (n-1, K) its conditionals, L, probability)``. Sampling: the
+    tree of :meth:`AutomatonProduct.draw`'s own conditionals (the draw is steered along every
+    branch with ``choose``); greedy: the drafter's own (argmax) draft, with a one-hot ``q``.
+
+    ``component``: a copy of the context mixed into the product (the decoder's ``lookup``): the
+    tree's branches then follow the mixture's conditionals (:func:`mixed_conditionals` of the
+    product's rows along each prefix, the copy cut where the automaton forbids it), and a draft
+    that starts with the whole copy is verified up to its length. ``mixed_q=False``: the accept
+    test reads the product's own conditionals instead (the negative control)."""
+    d = drafter
+    n = d.window  # type: ignore[attr-defined]
+    size = d.draft_tokens.numel()  # type: ignore[attr-defined]
+    index = int(d.position[c])  # type: ignore[attr-defined]
+    if index < 0 or state not in d.local:  # type: ignore[attr-defined]
+        # no draft: the round verifies [c] alone (L = 0), an autoregressive step in law
+        return [(torch.zeros(n - 1, dtype=torch.long), torch.zeros(n - 1, size, dtype=torch.float64),
+                 0, 1.0)]
+    start = d.local[state]  # type: ignore[attr-defined]
+    automaton = d.table.restart(start)  # type: ignore[attr-defined]
+    copy = None if component is None else d.allowed_copy(component, start)  # type: ignore[attr-defined]
+
+    def copy_cut(values: list[int]) -> int:
+        if copy is None:
+            return n - 1
+        count, weight = int(copy[-2]), float(copy[-1])
+        whole = values[:count] == copy[:count].long().tolist()
+        return count if count > 0 and weight > 0 and whole else n - 1
+
+    def verified_length(values: list[int]) -> int:
+        local, walk = start, []
+        for value in values:
+            local = int(d.table.next_state[local, value])  # type: ignore[attr-defined]
+            walk.append(local)
+        return next((k for k, s in enumerate(walk) if s == d.sink), n - 1)  # type: ignore[attr-defined]
+
+    if greedy:
+        result, _ = d.draft(params, c, state, None, None, component)  # type: ignore[attr-defined]
+        tokens = result.tokens.cpu()
+        values = [int(d.position[t]) for t in tokens.tolist()]  # type: ignore[attr-defined]
+        one_hot = torch.nn.functional.one_hot(torch.tensor(values), size).double()
+        assert int(result.length) == min(verified_length(values), copy_cut(values))
+        return [(tokens, one_hot, int(result.length), 1.0)]
+
+    leaves: list[tuple[Tensor, Tensor, int, float]] = []
+
+    def expand(prefix: list[int]) -> None:
+        steer = list(prefix)
+
+        def choose(conditional: Tensor) -> int:
+            return steer.pop(0) if steer else int(conditional.argmax())
+
+        drawn = d.product.draw(params, automaton, torch.tensor([index]),  # type: ignore[attr-defined]
+                               consume_from=1, choose=choose)
+        assert drawn.length == n - 1
+        rows = drawn.conditionals.cpu()
+        path = drawn.values[1:].cpu()
+        q = rows if copy is None else mixed_conditionals(rows, path, copy)
+        for x in q[len(prefix)].nonzero()[:, 0].tolist():
+            values = [*prefix, x]
+            if len(values) < n - 1:
+                expand(values)
+                continue
+            final = q if copy is None else mixed_conditionals(rows, torch.tensor(values), copy)
+            weight = float(final[torch.arange(n - 1), torch.tensor(values)].prod())
+            leaves.append((d.draft_tokens[torch.tensor(values)],  # type: ignore[attr-defined]
+                           final if mixed_q else rows,
+                           min(verified_length(values), copy_cut(values)), weight))
+
+    expand([])
+    return leaves
+
+
+def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt: Sequence[int],
+                            length: int, config: SamplingConfig, drafting: object,
+                            policy: CorrectionPolicy = CorrectionPolicy.EXACT,
+                            lookup: ContextLookup | None = None, mixed_q: bool = True) -> Law:
+    """The exact law of the first ``length`` tokens of ``SpeculativeDecoder(lm, head,
+    constrained_drafting=drafting).generate(prompt, length, constraint=automaton)`` (CPU).
+
+    Enumerates every draft with its exact draft probability: ``PRODUCT``: the tree of the
+    conditionals of the head's circuit times the drafter's automaton (the one
+    :class:`~circuits_llm.decoding.constrained.ProductDrafter` builds: free rows, sink, ``L`` = the
+    drafts before the free part; with ``lookup``, the copy of the context mixed in:
+    :func:`_product_drafts`); ``FREE``: :meth:`RoundProgram.conditionals` as
+    :func:`decoder_law` does. Greedy: the decoder's own draft (one-hot ``q``). Every accept/reject
+    outcome comes from :func:`round_law` on the target rows masked by the automaton states along
+    the draft, every state change from :func:`transition`; decoding ends after the automaton's EOS.
+    """
+    from circuits_llm.decoding.constrained import ConstrainedDrafting, ProductDrafter
+
+    window, vocab = head.window, lm.vocab_size
+    eos = automaton.eos_token_id  # type: ignore[attr-defined]
+    program = RoundProgram(head, config)
+    drafter = ProductDrafter(head, automaton) if drafting is ConstrainedDrafting.PRODUCT else None
+    ids = torch.arange(vocab) if head.draft_tokens is None else head.draft_tokens
+    inside = set(ids.tolist())
+    size = len(ids)
+    all_drafts = torch.tensor(list(itertools.product(range(size), repeat=window - 1)))
+    rounds: dict[tuple[int, ...], Law] = {}
+
+    def state_of(output: Sequence[int]) -> int:
+        state = automaton.initial_state  # type: ignore[attr-defined]
+        for token in output:
+            state = automaton.advance(state, token)  # type: ignore[attr-defined]
+        return state
+
+    def free_drafts(hidden: Tensor, c: int) -> list[tuple[Tensor, Tensor, int, float]]:
+        if config.greedy:
+            draft = program.draft(hidden, torch.tensor([c]), None)
+            tokens = draft.tokens.clone()
+            index = tokens if head.draft_tokens is None else program.position[tokens]  # type: ignore[index]
+            q = torch.nn.functional.one_hot(index, size).double()
+            if not bool(draft.possible):
+                q = torch.zeros_like(q)
+            return [(tokens, q, window - 1, 1.0)]
+        if c not in inside:  # X_0 = c impossible: every draft is rejected, p_1 decides
+            return [(ids[all_drafts[0]], torch.zeros(window - 1, size, dtype=torch.float64),
+                     window - 1, 1.0)]
+        compact = program.conditionals(hidden, c, all_drafts)  # (D, n-1, K)
+        probs = compact.gather(2, all_drafts[:, :, None])[:, :, 0].prod(1)
+        return [(ids[index], q, window - 1, float(w))
+                for index, q, w in zip(all_drafts, compact, probs, strict=True) if w > 0]
+
+    def round_outcomes(sequence: tuple[int, ...]) -> Law:
+        if sequence in rounds:
+            return rounds[sequence]
+        outcomes: Law = defaultdict(float)
+        state = state_of(sequence[len(prompt):])
+        lm.reset()
+        c = sequence[-1]
+        if len(sequence) == 1:  # one-token prompt: a plain (masked) autoregressive step
+            logits = lm.extend(torch.tensor([[c]])).verifier_logits[0, -1:]
+            p = target_probs(_masked_rows(logits, automaton, state, [])[0], config)
+            for y in p.nonzero()[:, 0].tolist():
+                outcomes[(y,)] += float(p[y])
+        else:
+            hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
+            if drafter is not None:
+                with torch.no_grad():
+                    params = head.circuit.log_parameters(
+                        program.head_parameters(hidden, torch.tensor([c])))
+                component = None
+                if lookup is not None:
+                    proposal, ngram = LookupIndex(lookup.max_ngram, sequence).propose(window - 1)
+                    component = copy_component(proposal, ngram, lookup, drafter.position.tolist(),
+                                               window - 1, torch.device("cpu"))
+                drafts = _product_drafts(drafter, params, c, state, config.greedy, component,
+                                         mixed_q)
+            else:
+                drafts = free_drafts(hidden, c)
+            for tokens, q_compact, verified, weight in drafts:
+                q = torch.zeros(window - 1, vocab, dtype=torch.float64)
+                q[:, ids] = q_compact
+                draft = tokens[:verified]
+                lm.crop(len(sequence) - 1)
+                step = lm.extend(torch.cat([torch.tensor([c]), draft])[None])
+                logits = _masked_rows(step.verifier_logits[0], automaton, state, draft.tolist())
+                p = target_probs(logits, config)
+                probs = round_law(p, q[:verified], draft).outcome_probs()
+                for s, y in probs.nonzero().tolist():
+                    move = transition(policy, draft.tolist(), s, y)
+                    outcomes[move.emitted] += weight * float(probs[s, y])
+        rounds[sequence] = dict(outcomes)
+        return rounds[sequence]
+
+    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
+        result: Law = defaultdict(float)
+        for emitted, prob in round_outcomes(sequence).items():
+            kept, stopped = _cut_at(emitted[:remaining], eos)
+            if stopped or len(kept) == remaining:
+                result[kept] += prob
+                continue
+            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
+                result[emitted + tail] += prob * tail_prob
+        return result
+
+    return dict(continuation(tuple(prompt), length)) if length > 0 else {(): 1.0}
