@@ -29,7 +29,13 @@ from torch import Tensor, nn
 
 from circuits.compiled import CompiledCircuit, compile
 from circuits.templates import build
-from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law, transition, usable_conditionals
+from circuits_llm.decoding.acceptance import (
+    CorrectionPolicy,
+    RoundLaw,
+    round_law,
+    transition,
+    usable_conditionals,
+)
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import (
     ContextLookup,
@@ -266,10 +272,7 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
                     checked = min(int(checked), cut)
                     law = round_law(p[:checked + 1], q[:checked], draft[:checked])
                     verified = draft[:checked]
-                probs = law.outcome_probs()
-                for s, y in probs.nonzero().tolist():
-                    move = transition(policy, verified.tolist(), s, y)
-                    outcomes[move.emitted] += weight * float(probs[s, y])
+                add_outcomes(outcomes, law, verified, policy, weight)
         rounds[sequence] = dict(outcomes)
         return rounds[sequence]
 
@@ -307,6 +310,16 @@ def _copy_mixture(sequence: tuple[int, ...], lookup: ContextLookup, ids: Tensor,
     copied = torch.tensor([marginal[t] for t in tails], dtype=torch.float64)
     mixture = (1 - weight) * head_probs.cpu() + weight * on_path.double() * copied
     return mixture.to(head_probs.device), torch.where(on_path, count, cuts), component
+
+
+def add_outcomes(outcomes: Law, law: RoundLaw, verified: Tensor, policy: CorrectionPolicy,
+                 weight: float) -> None:
+    """Add one verified draft's outcomes to a round's law: every (accepted count, emitted token)
+    of ``law`` moved by :func:`transition`, weighted by the draft's probability ``weight``."""
+    probs = law.outcome_probs()
+    for s, y in probs.nonzero().tolist():
+        move = transition(policy, verified.tolist(), s, y)
+        outcomes[move.emitted] += weight * float(probs[s, y])
 
 
 def total_variation(first: Law, second: Law) -> float:

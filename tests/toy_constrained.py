@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from toy import Law, ToyHead, ToyLM
+from toy import Law, ToyHead, ToyLM, add_outcomes
 
-from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law, transition
+from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.lookup import (
     ContextLookup,
     LookupIndex,
@@ -245,10 +245,7 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
                 step = lm.extend(torch.cat([torch.tensor([c]), draft])[None])
                 logits = _masked_rows(step.verifier_logits[0], automaton, state, draft.tolist())
                 p = target_probs(logits, config)
-                probs = round_law(p, q[:verified], draft).outcome_probs()
-                for s, y in probs.nonzero().tolist():
-                    move = transition(policy, draft.tolist(), s, y)
-                    outcomes[move.emitted] += weight * float(probs[s, y])
+                add_outcomes(outcomes, round_law(p, q[:verified], draft), draft, policy, weight)
         rounds[sequence] = dict(outcomes)
         return rounds[sequence]
 
