@@ -25,6 +25,9 @@ crosses to the host per round: the draft, how many drafts were accepted, the emi
 validity flags (a ``draft_length`` rule that depends on the round adds one read of ``L`` before the
 verify call). A head with a compressed draft vocabulary (``head.draft_tokens``, K model ids)
 drafts over those K tokens; ``q`` is 0 elsewhere and the residual covers the rest.
+With ``lookup`` (:class:`~circuits_llm.decoding.lookup.ContextLookup`) step 2 drafts from the
+head's circuit mixed with a copy of what followed the last earlier occurrence of the output's
+final n-gram, and ``q`` is that mixture's exact conditional (see that module).
 
 Both decoders stop at the model's end-of-sequence ids by default, as ``model.generate`` does
 (``generation_config.eos_token_id``, else ``config.eos_token_id``, when the backbone is, or wraps,
