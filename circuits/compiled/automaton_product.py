@@ -253,17 +253,17 @@ class AutomatonProduct:
         with torch.no_grad():
             linear = linear_parameters(self.structure, params)
             sequence = SequentialDraw(self.structure, linear, lifting, prefix.tolist())
-            length = sequence.run(conditionals, lambda conditional, k: _pick(
+            length = sequence.run(conditionals, lambda conditional, k: pick_category(
                 conditional, None if tape is None else tape[k], choose))
         values[m:m + length] = torch.tensor(sequence.drawn[m:m + length], dtype=torch.long,
                                             device=device)
         return ProductDraw(values, conditionals, length, self._size(lifting))
 
 
-def _pick(conditional: Tensor, uniform: float | None,
+def pick_category(conditional: Tensor, uniform: float | None,
           choose: Callable[[Tensor], int] | None) -> int:
-    """The drawn category: ``choose(conditional)``, the argmax, or the inverse CDF at
-    ``uniform``."""
+    """The drawn category of a (K,) ``conditional``: ``choose(conditional)``, the argmax, or the
+    inverse CDF at ``uniform`` (the first category whose cumulative probability exceeds it)."""
     if choose is not None:
         x = choose(conditional)
         if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < conditional.shape[0] \
@@ -303,4 +303,4 @@ def _normalised(score: Tensor) -> Tensor:
     return score / total if float(total) > 0 else torch.zeros_like(score)
 
 
-__all__ = ["SUPPORTED_SHAPES", "AutomatonProduct", "ProductDraw"]
+__all__ = ["SUPPORTED_SHAPES", "AutomatonProduct", "ProductDraw", "pick_category"]

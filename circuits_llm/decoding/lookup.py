@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits.compiled.automaton_product import pick_category
 from circuits_llm.decoding.warping import DecoderError
 
 __all__ = ["ContextLookup", "LookupIndex", "SequentialCopy", "copy_component", "mixed_conditionals"]
@@ -154,6 +155,12 @@ def copy_component(proposal: list[int], ngram: int, lookup: ContextLookup,
     return torch.tensor(values, dtype=torch.float64, device=device)
 
 
+def unpack(component: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A copy component (n+1,) float64 -> ``(proposal (n-1,) long, m () long, w () float64)``."""
+    drafts = component.shape[0] - 2
+    return component[:drafts].long(), component[drafts].long(), component[-1]
+
+
 def overlay(drafted: Tensor, component: Tensor, choose: Tensor | None) -> tuple[Tensor, Tensor]:
     """Draw from the mixture given the head's joint draw (fixed shapes, no host read).
 
@@ -168,7 +175,7 @@ def overlay(drafted: Tensor, component: Tensor, choose: Tensor | None) -> tuple[
         may verify: ``m`` when the draft starts with the whole proposal, else ``n - 1``.
     """
     drafts = drafted.shape[0]
-    proposal, count, weight = component[:drafts].long(), component[drafts].long(), component[-1]
+    proposal, count, weight = unpack(component)
     active = (count > 0) & (weight > 0)
     copy = active & ((weight > choose) if choose is not None else torch.ones_like(active))
     inside = torch.arange(drafts, device=drafted.device) < count
@@ -190,9 +197,8 @@ def mixed_conditionals(head: Tensor, drafts: Tensor, component: Tensor) -> Tenso
         (n-1, K) float64 ``q_k = pi_{k-1} onehot(s_k) + (1 - pi_{k-1}) h_k``; ``pi`` is 0 off the
         proposal and after its ``m`` tokens.
     """
-    count = drafts.shape[0]
-    proposal, length, weight = component[:count].long(), component[count].long(), component[-1]
-    steps = torch.arange(count, device=drafts.device)
+    proposal, length, weight = unpack(component)
+    steps = torch.arange(drafts.shape[0], device=drafts.device)
     drafted = head.gather(1, drafts[:, None])[:, 0].clamp_min(0).log()  # log h_k(d_k)
     before = torch.cat([drafted.new_zeros(1), drafted.cumsum(0)[:-1]])  # log H(d_{<k})
     matched = torch.cumprod((drafts == proposal).long(), 0)
@@ -238,17 +244,12 @@ class SequentialCopy:
         rows = torch.cat([self.rows[:k], conditional.cpu().double()[None]]) if k else \
             conditional.cpu().double()[None]
         self.rows = rows
-        count, weight = int(self.component[-2]), float(self.component[-1])
-        copying = weight > 0 and k < count and \
-            self.path == self.component[:k].long().tolist()
+        proposal, count, weight = unpack(self.component)
+        copying = weight > 0 and k < count and self.path == proposal[:k].tolist()
         if self.uniforms is None:
-            pick = int(self.component[k]) if copying else int(conditional.argmax())
+            pick = int(proposal[k]) if copying else int(conditional.argmax())
         else:
-            q = self.mixed(rows, [*self.path, 0])[k]
-            cdf = q.cumsum(0)
-            pick = int(torch.searchsorted(cdf, self.uniforms[k] * float(cdf[-1]), right=True))
-            if pick >= q.shape[0] or not q[pick] > 0:  # u above a rounded-down total
-                pick = int((q > 0).nonzero()[-1])
+            pick = pick_category(self.mixed(rows, [*self.path, 0])[k], self.uniforms[k], None)
         self.path.append(pick)
         return pick
 
@@ -261,6 +262,7 @@ class SequentialCopy:
     def cut(self) -> int:
         """The most drafts the round may verify: ``m`` when the draw starts with the whole copy,
         else ``n - 1``."""
-        count, weight = int(self.component[-2]), float(self.component[-1])
-        whole = self.path[:count] == self.component[:count].long().tolist()
+        proposal, m, weight = unpack(self.component)
+        count = int(m)
+        whole = self.path[:count] == proposal[:count].tolist()
         return count if count > 0 and weight > 0 and whole else self.drafts
