@@ -5,14 +5,19 @@ the shipped heads' measured acceptance predicts.
 The model has SmolLM2-135M's shapes (:data:`SMOLLM2`: 30 layers, hidden 576, 9 heads, 3 KV heads,
 vocabulary 49,152, tied embeddings) and random weights: no network, no model package. The heads
 have the shipped heads' shapes (``circuits_llm/heads_shipped/``: FF and BTree r=16, window 8,
-LEAN with ``lean_rank`` 8, a compressed draft vocabulary of 4,096 tokens). Everything runs
-compiled (``HFBackbone(compile=True)``: static cache, compiled forwards for blocks of 1 and 8;
-``SpeculativeDecoder(..., compile=True)``: compiled round programs; CUDA graphs on CUDA).
+LEAN with ``lean_rank`` 8, a compressed draft vocabulary of 4,096 tokens) and the demo's settings
+(:meth:`~circuits_llm.app.demo.ComparisonConfig.demo`): the FF head reads the verified token and
+every draft mixes in a copy of the context (:class:`~circuits_llm.decoding.lookup.ContextLookup`),
+so the round pays for the host-side lookup and the copy component as the measured rounds did.
+Everything runs compiled (``HFBackbone(compile=True)``: static cache, compiled forwards for blocks
+of 1 and 8; ``SpeculativeDecoder(..., compile=True)``: compiled round programs; CUDA graphs on
+CUDA).
 
 With random weights nothing would be accepted, so acceptance is forced
 (:class:`ForcedInsideDraftVocabulary`: the verifier agrees with every draft, and its bonus token
 is drawn inside the head's draft vocabulary, so the next round's known token is one the head can
-condition on): each round emits 8 tokens at the real round's cost. Reported: ms per token of
+condition on): each round emits 8 tokens at the real round's cost (fewer in a round whose draft
+is a whole copy shorter than the window: such a round verifies only the copy). Reported: ms per token of
 compiled AR decoding, the compiled round's phases (draft, verify, accept: means over the rounds of
 the median run), the forced speed-up over compiled AR, and (draft + accept) / a compiled verify of
 8 tokens. Then the **predicted** speed-up at the acceptance the shipped heads achieved on the real
@@ -34,8 +39,10 @@ from benchmarks.decoder_bench import backbone_timings
 from benchmarks.gpu_check_core import Group, Outcome, Settings, Status, compiler_scope
 from benchmarks.spec_tools import ForcedAcceptance
 from circuits.templates import Architecture
+from circuits_llm.app.demo import ComparisonConfig
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.metrics import DecodeSummary
 from circuits_llm.heads import MTPHead
 from circuits_llm.protocols import BackboneStep
@@ -97,6 +104,8 @@ FULL = SpeedSizes(SMOLLM2, 4096, 64, 128, 3, 10)
 QUICK = SpeedSizes(TINY, 256, 16, 32, 1, 3)
 WINDOW, LEAN_RANK = 8, 8
 HEADS: tuple[tuple[Architecture, int], ...] = ((Architecture.FF, 1), (Architecture.BTREE, 16))
+#: the demo's settings, which produced :data:`MEASURED_TOKENS_PER_ROUND`
+DEMO = ComparisonConfig.demo()
 
 #: Tokens per round (``mu_acc``, the ``acc.len`` column) the shipped SmolLM2 heads reached on the
 #: real SmolLM2-135M-Instruct: docs/results.md, section 6, the latest ``make demo`` table (6
@@ -207,32 +216,40 @@ class SpeedBench:
         if "ar_ms" not in self.results:
             return Outcome.verdict(False, "", {}, "the compiled AR row did not run")
         model, sizes = state["model"], self.sizes
+        reads_token = architecture.value in DEMO.token_input
+        token_embedding = model.get_input_embeddings().weight.detach().cpu() if reads_token else None
         head = MTPHead.from_name(architecture.value, WINDOW, rank, sizes.shape.hidden_size,
                                  sizes.shape.vocab_size, "lean",
                                  model.get_output_embeddings().weight.detach().cpu(),
                                  draft_vocab=state["draft_tokens"], lean_rank=LEAN_RANK,
-                                 identity_init=False).eval().to(self.settings.device)
+                                 identity_init=False, token_embedding=token_embedding,
+                                 ).eval().to(self.settings.device)
         forced = ForcedInsideDraftVocabulary(state["backbone"], state["draft_tokens"])
+        lookup = None if DEMO.lookup is None else ContextLookup(tuple(DEMO.lookup))
         with compiler_scope(self.settings.compiler):
-            decoder = SpeculativeDecoder(forced, head, compile=True)
+            decoder = SpeculativeDecoder(forced, head, compile=True, lookup=lookup)
         summary = self.decode(decoder, mode)
         split = {k.removesuffix("_s"): 1e3 * v for k, v in summary.mean_split_s.items()}
         round_ms = 1e3 * summary.mean_latency_s
         ar_ms = self.results["ar_ms"][mode.value]
         head_share = (split["draft"] + split["accept"]) / self.results["verify_ms"]
-        values = {"parameters": head.num_parameters(), "round_ms": round_ms, "phases_ms": split,
+        values = {"parameters": head.num_parameters(), "reads_token": reads_token,
+                  "lookup": None if lookup is None else list(lookup.weights),
+                  "round_ms": round_ms, "phases_ms": split,
                   "tokens_per_round": summary.tokens_per_round,
                   "speedup_vs_ar": ar_ms * summary.tokens_per_round / round_ms,
                   "draft_accept_over_verify": head_share}
         self.results[f"{architecture.value} {mode.value}"] = values
-        numbers = (f"{values['parameters']:,} params; round {round_ms:.2f} ms = draft {split['draft']:.2f} "
-                   f"+ verify {split['verify']:.2f} + accept {split['accept']:.2f}; "
+        setting = ("token input, " if reads_token else "") + ("copy, " if lookup else "")
+        numbers = (f"{values['parameters']:,} params; {setting}round {round_ms:.2f} ms = draft "
+                   f"{split['draft']:.2f} + verify {split['verify']:.2f} + accept {split['accept']:.2f}; "
                    f"{summary.tokens_per_round:.2f} tok/round -> {values['speedup_vs_ar']:.2f}x "
                    f"compiled AR; (draft+accept)/verify-{WINDOW} {head_share:.0%}")
-        held = summary.tokens_per_round >= WINDOW - 1e-9
+        held = summary.accepted == summary.drafted and summary.tokens_per_round >= WINDOW / 2
         return Outcome.verdict(held, numbers, values,
-                               f"forced acceptance did not hold: {summary.tokens_per_round:.2f} "
-                               f"tokens per round, not {WINDOW}")
+                               f"forced acceptance did not hold: {summary.accepted} of "
+                               f"{summary.drafted} drafts accepted, {summary.tokens_per_round:.2f} "
+                               f"tokens per round")
 
     def predicted_row(self, architecture: Architecture, mode: Mode) -> Outcome:
         """Tokens per round measured on the real model x AR ms per token / forced round ms."""
