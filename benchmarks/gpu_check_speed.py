@@ -37,6 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.decoder_bench import backbone_timings
 from benchmarks.gpu_check_core import Group, Outcome, Settings, Status, compiler_scope
+from benchmarks.gpu_profile import cudagraph_skips, describe, device_activity
 from benchmarks.spec_tools import ForcedAcceptance
 from circuits.templates import Architecture
 from circuits_llm.app.demo import ComparisonConfig
@@ -202,12 +203,32 @@ class SpeedBench:
         ms = {mode.value: 1e3 * s.mean_latency_s for mode, s in ar.items()}
         self.results.update(ar_ms=ms, verify_ms=1e3 * steps[f"verify_{WINDOW}"],
                             step_ms=1e3 * steps["ar_step"])
+        profiles = {width: self.profile_block(backbone, width) for width in (1, WINDOW)}
+        self.results.update(profile_step=profiles[1], profile_verify=profiles[WINDOW],
+                            cudagraph_skips=cudagraph_skips())
         shape, step, verify = self.sizes.shape, self.results["step_ms"], self.results["verify_ms"]
         numbers = (f"{shape.layers}L d={shape.hidden_size} V={shape.vocab_size} "
                    f"({state['parameters'] / 1e6:.1f}M): greedy {ms['greedy']:.2f} ms/tok, sampling "
                    f"{ms['sampling']:.2f} ms/tok; step {step:.2f} ms, verify-{WINDOW} {verify:.2f} ms "
                    f"({verify / step:.2f}x step)")
+        if self.settings.cuda:
+            numbers += (f"; step: {describe(profiles[1])}; verify-{WINDOW}: "
+                        f"{describe(profiles[WINDOW])}; graphs run without CUDA graphs: "
+                        f"{self.results['cudagraph_skips']}")
         return Outcome(Status.PASS, numbers, dict(self.results, parameters=state["parameters"]))
+
+    def profile_block(self, backbone: HFBackbone, width: int) -> dict[str, Any]:
+        """:func:`~benchmarks.gpu_profile.device_activity` of one compiled extend of ``width``
+        tokens (then a crop back), after a warm-up call."""
+        tokens = torch.tensor([self.state["prompt"][:width]], device=self.settings.device)
+
+        def call() -> None:
+            base = backbone.length
+            backbone.extend(tokens)
+            backbone.crop(base)
+        with torch.no_grad():
+            call()
+            return device_activity(call, self.settings.device)
 
     def forced_row(self, architecture: Architecture, rank: int, mode: Mode) -> Outcome:
         """The compiled speculative round with forced acceptance: its phases, the speed-up over

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,11 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
+from benchmarks.gpu_check_circuits import TOLERANCES, make_pairs, query_errors
 from benchmarks.gpu_check_core import ALPHA, Group, SkipReason, Status
 from benchmarks.gpu_check_speed import MEASURED_TOKENS_PER_ROUND
+from circuits.kernels import KernelBackend, use_backend
+from circuits.kernels.backend import requested_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED_SKIPS = {SkipReason.NO_CIRKIT.name, SkipReason.NEEDS_CUDA.name}
@@ -119,3 +123,38 @@ def test_cuda_requested_without_cuda_is_one_clear_error(capsys: pytest.CaptureFi
     assert gpu_check.main([]) == 2  # --device cuda is the default
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "--device cpu" in error and "CUDA" in error
+
+
+class _BackendRecorder:
+    """A compiled circuit's stand-in that records the kernel backend asked for at each query and
+    answers with the wrapped circuit on the torch backend (no triton on this CPU)."""
+
+    def __init__(self, circuit: Any, seen: list[str]) -> None:
+        self.circuit, self.seen = circuit, seen
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.circuit, name)
+        if not callable(attribute) or not name.startswith("log_"):
+            return attribute
+
+        def query(*args: Any, **kwargs: Any) -> Any:
+            self.seen.append(requested_backend().value)
+            with use_backend(KernelBackend.TORCH):
+                return attribute(*args, **kwargs)
+        return query
+
+
+def test_query_references_run_on_the_torch_backend() -> None:
+    """The triton rows force the triton backend for the checked circuit only: the CPU float64
+    reference is computed with torch kernels (forced triton on CPU tensors is an error; it made
+    both triton query rows FAIL on the first H100 run)."""
+    pair = make_pairs(torch.device("cpu"), torch.float64, 0)[0]
+    model_seen: list[str] = []
+    reference_seen: list[str] = []
+    recorded = replace(pair, model=_BackendRecorder(pair.model, model_seen),
+                       reference=_BackendRecorder(pair.reference, reference_seen))
+    with use_backend(KernelBackend.TRITON):
+        errors = query_errors(recorded, TOLERANCES[torch.float64], 0)
+    assert len(errors) == 8 and all(ratio <= 1.0 for _, ratio in errors.values())
+    assert set(model_seen) == {"triton"} and len(model_seen) == 8
+    assert set(reference_seen) == {"torch"} and len(reference_seen) >= 7

@@ -12,6 +12,7 @@ decoder runs (docs/decoder-exactness.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -21,8 +22,11 @@ from torch import Tensor
 
 from circuits_llm.decoding.warping import DecoderError
 
-__all__ = ["CorrectionPolicy", "RoundLaw", "Transition", "acceptance_ratios", "round_decisions",
-           "round_law", "transition", "usable_conditionals"]
+__all__ = ["CorrectionPolicy", "RoundLaw", "Transition", "acceptance_ratios", "blockwise_argmax",
+           "draw_from_row", "round_decisions", "round_law", "transition", "usable_conditionals"]
+
+#: block length of :func:`blockwise_argmax`
+ARGMAX_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -165,3 +169,35 @@ def round_decisions(p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
     mass = residual.sum()
     residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p_row)
     return accepted, torch.where(accepted == length, p_row, residual)
+
+
+def blockwise_argmax(row: Tensor, block: int = ARGMAX_BLOCK) -> Tensor:
+    """``row.argmax()`` of a (V,) row, computed as a maximum per block of ``block`` entries and then
+    the best block: the same index (the first maximal entry), from reductions over a
+    ``(ceil(V / block), block)`` layout.
+
+    Why: in a compiled program that also scans the row (the inverse-CDF draw of
+    :func:`draw_from_row`), inductor on CUDA (torch 2.11) fuses a reduction over the row into the
+    scan's split kernel and refuses to compile it ("NYI TritonSplitDimKernel reductions"); a
+    reduction over another layout is never fused with it.
+    """
+    size = row.shape[0]
+    blocks = -(-size // block)
+    padded = torch.nn.functional.pad(row, (0, blocks * block - size), value=-math.inf)
+    best, where = padded.view(blocks, block).max(1)  # (blocks,): the first maximum of each block
+    chosen = best.argmax()
+    return chosen * block + where.index_select(0, chosen[None])[0]
+
+
+def draw_from_row(row: Tensor, uniform: Tensor) -> Tensor:
+    """The inverse-CDF draw of one token from the unnormalised law ``row`` (V,) (non-negative, some
+    entry positive) with ``uniform`` (() in [0, 1)): () long. Fixed shapes, no host read.
+
+    Never a zero-probability token: ``uniform x total`` can round up to the total (no index found),
+    and a parallel cumulative sum (CUDA) may not be exactly flat across a zero entry; either way the
+    most probable token is taken, an event of probability ~1e-16 that leaves the law unchanged.
+    """
+    cdf = row.cumsum(0)
+    token = torch.searchsorted(cdf, (uniform * cdf[-1])[None], right=True)[0]
+    token = token.clamp(max=row.shape[0] - 1)
+    return torch.where(row.index_select(0, token[None])[0] > 0, token, blockwise_argmax(row))

@@ -57,7 +57,7 @@ from circuits.compiled.prepared import Trace
 from circuits.compiled.queries import row_conditionals
 from circuits.compiled.sampling import argmax_chooser, descend
 from circuits.kernels import GumbelChooser, use_backend
-from circuits_llm.decoding.acceptance import round_decisions
+from circuits_llm.decoding.acceptance import draw_from_row, round_decisions
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup, mixed_conditionals, overlay
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
@@ -418,12 +418,7 @@ class RoundProgram:
         p = torch.softmax(warped.double(), -1)  # (n, V)
         tests = uniforms[-self.window:]
         accepted, row = self._decide(p, q, tokens, tests[:drafted], length)
-        cdf = row.cumsum(0)
-        token = torch.searchsorted(cdf, (tests[drafted] * cdf[-1])[None], right=True)[0]
-        token = token.clamp(max=self.vocab_size - 1)
-        # never a zero-probability token through rounding at the top of the CDF
-        token = torch.where(row.index_select(0, token[None])[0] > 0, token, row.argmax())
-        return accepted, token, ok
+        return accepted, draw_from_row(row, tests[drafted]), ok
 
     def _verified_rows(self, logits: Tensor, length: Tensor | int | None) -> Tensor:
         """(n,) bool: the verifier rows of the block ``[c, d_1..d_L]`` (the first ``L + 1``; the
