@@ -158,6 +158,8 @@ class SpeedBench:
         self.sizes = QUICK if settings.quick else FULL
         self.state: dict[str, Any] = {}
         self.results: dict[str, Any] = {}
+        #: SmolLM2 ships in bfloat16 and runs so on a GPU; float32 on the CPU (the smoke run)
+        self.model_dtype = torch.bfloat16 if settings.cuda else torch.float32
 
     def setup(self) -> dict[str, Any]:
         """The random-weight model on the device, its compiled backbone (blocks of 1 and 8), the
@@ -167,7 +169,7 @@ class SpeedBench:
         sizes, device = self.sizes, self.settings.device
         torch.manual_seed(self.settings.seed)
         with torch.device(device):
-            model = LlamaForCausalLM(sizes.shape.config()).eval()
+            model = LlamaForCausalLM(sizes.shape.config()).to(self.model_dtype).eval()
         gen = torch.Generator().manual_seed(self.settings.seed)
         draft_tokens = torch.randperm(sizes.shape.vocab_size, generator=gen)[:sizes.draft_vocab].sort()[0]
         prompt = draft_tokens[torch.randint(0, sizes.draft_vocab, (sizes.prompt_tokens,), generator=gen)]
@@ -201,14 +203,15 @@ class SpeedBench:
             backbone.extend(torch.tensor([state["prompt"][:-1]], device=self.settings.device))
         steps = backbone_timings(backbone, (WINDOW,), self.sizes.timing_rounds)
         ms = {mode.value: 1e3 * s.mean_latency_s for mode, s in ar.items()}
-        self.results.update(ar_ms=ms, verify_ms=1e3 * steps[f"verify_{WINDOW}"],
+        dtype = str(self.model_dtype).removeprefix("torch.")
+        self.results.update(model_dtype=dtype, ar_ms=ms, verify_ms=1e3 * steps[f"verify_{WINDOW}"],
                             step_ms=1e3 * steps["ar_step"])
         profiles = {width: self.profile_block(backbone, width) for width in (1, WINDOW)}
         self.results.update(profile_step=profiles[1], profile_verify=profiles[WINDOW],
                             cudagraph_skips=cudagraph_skips())
         shape, step, verify = self.sizes.shape, self.results["step_ms"], self.results["verify_ms"]
         numbers = (f"{shape.layers}L d={shape.hidden_size} V={shape.vocab_size} "
-                   f"({state['parameters'] / 1e6:.1f}M): greedy {ms['greedy']:.2f} ms/tok, sampling "
+                   f"({state['parameters'] / 1e6:.1f}M, {dtype}): greedy {ms['greedy']:.2f} ms/tok, sampling "
                    f"{ms['sampling']:.2f} ms/tok; step {step:.2f} ms, verify-{WINDOW} {verify:.2f} ms "
                    f"({verify / step:.2f}x step)")
         if self.settings.cuda:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-#: host-side events listed per profile (by self time)
-TOP_HOST_EVENTS = 10
+#: host-side events listed per profile (by self time), and kernels (by summed device time)
+TOP_HOST_EVENTS, TOP_KERNELS = 10, 12
 
 
 def cudagraph_skips() -> int:
@@ -29,9 +29,10 @@ def device_activity(call: Callable[[], object], device: torch.device) -> dict[st
 
     Returns ``{}`` off CUDA; else ``kernels`` (device kernels run), ``kernel_ms`` (their summed
     duration), ``wall_ms`` (the call, synchronised), ``graph_launches`` and ``kernel_launches``
-    (host API calls), ``memcpy`` (copies issued), and ``host_top`` ([name, self ms] of the
-    busiest host events). A profiler failure is reported as ``{"error": ...}``, never raised:
-    this is a diagnostic beside a measurement.
+    (host API calls), ``memcpy`` (copies issued), ``host_top`` ([name, self ms] of the
+    busiest host events) and ``kernel_top`` ([name, device ms] of the costliest kernels). A
+    profiler failure is reported as ``{"error": ...}``, never raised: this is a diagnostic beside a
+    measurement.
     """
     if device.type != "cuda":
         return {}
@@ -50,7 +51,10 @@ def device_activity(call: Callable[[], object], device: torch.device) -> dict[st
         kernels = [e for e in on_device if "memcpy" not in e.name.lower()
                    and "memset" not in e.name.lower()]
         names = Counter(e.name for e in events)
-        host = Counter()
+        host: Counter[str] = Counter()
+        by_kernel: Counter[str] = Counter()
+        for kernel in kernels:
+            by_kernel[kernel.name[:90]] += kernel.time_range.elapsed_us() / 1e3
         for event in events:
             if event.device_type == torch.autograd.DeviceType.CPU:
                 host[event.name] += event.self_cpu_time_total / 1e3
@@ -62,6 +66,7 @@ def device_activity(call: Callable[[], object], device: torch.device) -> dict[st
             "kernel_launches": sum(n for name, n in names.items() if "LaunchKernel" in name),
             "memcpy": sum(1 for e in on_device if "memcpy" in e.name.lower()),
             "host_top": [[name, round(ms, 3)] for name, ms in host.most_common(TOP_HOST_EVENTS)],
+            "kernel_top": [[name, round(ms, 3)] for name, ms in by_kernel.most_common(TOP_KERNELS)],
         }
     except Exception as error:  # a diagnostic must not fail the measured row
         return {"error": f"{type(error).__name__}: {error}"}
