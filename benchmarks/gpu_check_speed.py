@@ -233,6 +233,23 @@ class SpeedBench:
             call()
             return device_activity(call, self.settings.device)
 
+    def profile_rounds(self, decoder: AutoregressiveDecoder, mode: Mode) -> dict[str, Any]:
+        """:func:`~benchmarks.gpu_profile.device_activity` of one short decode (warm), per round:
+        what a whole round (draft, verify, accept and the host between them) launches and runs."""
+        rounds: list[int] = []
+
+        def call() -> None:
+            generator = None if mode is Mode.GREEDY else self.settings.generator(0)
+            result = decoder.generate(self.state["prompt"], 4 * WINDOW, mode.temperature,
+                                      generator=generator, eos_token_id=())
+            rounds.append(result.summary.rounds)
+        activity = device_activity(call, self.settings.device)
+        if not rounds or "error" in activity or not activity:
+            return activity
+        count = max(rounds[-1], 1)
+        return {key: value / count if isinstance(value, (int, float)) else value
+                for key, value in activity.items()} | {"rounds": count}
+
     def forced_row(self, architecture: Architecture, rank: int, mode: Mode) -> Outcome:
         """The compiled speculative round with forced acceptance: its phases, the speed-up over
         compiled AR, and (draft + accept) / verify; FAIL unless every round emitted 8 tokens."""
@@ -253,6 +270,7 @@ class SpeedBench:
         with compiler_scope(self.settings.compiler):
             decoder = SpeculativeDecoder(forced, head, compile=True, lookup=lookup)
         summary = self.decode(decoder, mode)
+        per_round = self.profile_rounds(decoder, mode)
         split = {k.removesuffix("_s"): 1e3 * v for k, v in summary.mean_split_s.items()}
         round_ms = 1e3 * summary.mean_latency_s
         ar_ms = self.results["ar_ms"][mode.value]
@@ -262,13 +280,15 @@ class SpeedBench:
                   "round_ms": round_ms, "phases_ms": split,
                   "tokens_per_round": summary.tokens_per_round,
                   "speedup_vs_ar": ar_ms * summary.tokens_per_round / round_ms,
-                  "draft_accept_over_verify": head_share}
+                  "draft_accept_over_verify": head_share, "profile_per_round": per_round}
         self.results[f"{architecture.value} {mode.value}"] = values
         setting = ("token input, " if reads_token else "") + ("copy, " if lookup else "")
         numbers = (f"{values['parameters']:,} params; {setting}round {round_ms:.2f} ms = draft "
                    f"{split['draft']:.2f} + verify {split['verify']:.2f} + accept {split['accept']:.2f}; "
                    f"{summary.tokens_per_round:.2f} tok/round -> {values['speedup_vs_ar']:.2f}x "
                    f"compiled AR; (draft+accept)/verify-{WINDOW} {head_share:.0%}")
+        if per_round:
+            numbers += f"; per round: {describe(per_round)}"
         held = summary.accepted == summary.drafted and summary.tokens_per_round >= WINDOW / 2
         return Outcome.verdict(held, numbers, values,
                                f"forced acceptance did not hold: {summary.accepted} of "

@@ -78,6 +78,6 @@ def describe(activity: dict[str, Any]) -> str:
         return ""
     if "error" in activity:
         return f"profile failed: {activity['error']}"
-    return (f"{activity['kernels']} kernels {activity['kernel_ms']:.2f} ms busy of "
-            f"{activity['wall_ms']:.2f} ms, {activity['graph_launches']} graph + "
-            f"{activity['kernel_launches']} kernel launches")
+    return (f"{activity['kernels']:.0f} kernels {activity['kernel_ms']:.2f} ms busy of "
+            f"{activity['wall_ms']:.2f} ms, {activity['graph_launches']:.1f} graph + "
+            f"{activity['kernel_launches']:.1f} kernel launches")
