@@ -43,7 +43,7 @@ from circuits.automata import Automaton
 from circuits.compiled.automaton_product import AutomatonProduct
 from circuits_llm.constraints import ConstraintError, JsonSchema, Regex, TokenAutomaton
 from circuits_llm.decoding.draft_length import DraftLength
-from circuits_llm.decoding.lookup import SequentialCopy
+from circuits_llm.decoding.lookup import SequentialCopy, unpack
 from circuits_llm.decoding.round import DraftResult
 from circuits_llm.decoding.warping import DecoderError
 
@@ -245,9 +245,9 @@ class ProductDrafter:
         """``component`` with its proposal cut before the first draft the drafter's automaton
         forbids (or whose state has no draftable token) from its state ``local``: a function of
         the history, so the mixture stays a law fixed before the round."""
-        drafts = component.shape[0] - 2
-        count, allowed = int(component[-2]), 0
-        for value in component[:count].long().tolist():
+        proposal, length, _ = unpack(component)
+        count, allowed = int(length), 0
+        for value in proposal[:count].tolist():
             local = int(self.table.next_state[local, value])
             if local < 0 or local == self.sink:
                 break
@@ -255,7 +255,7 @@ class ProductDrafter:
         if allowed == count:
             return component
         cut = component.clone()
-        cut[allowed:drafts] = 0
+        cut[allowed:proposal.shape[0]] = 0
         cut[-2] = allowed
         if allowed == 0:
             cut[-1] = 0.0
