@@ -56,7 +56,7 @@ bench: install
 # triton kernels, float32 and float64), EM on the device, the decoder's exact law and greedy =
 # model.generate eager and compiled, compiled AR against the compiled speculative round on a
 # SmolLM2-shaped model (random weights) with the predicted speed-up, and libcirkit when importable.
-# One table, saved to benchmarks/results/gpu_check.json; fails if a row fails; <= 8 min on an H100.
+# One table, saved to benchmarks/results/gpu_check.json; fails if a row fails; <= 8 min on an H100 (about 4 measured).
 # No install step: the GPU machine has no network. Without CUDA:
 # `make gpu-check GPU_CHECK_ARGS="--device cpu --quick"`.
 GPU_CHECK_ARGS ?=
