@@ -17,11 +17,13 @@ With random weights nothing would be accepted, so acceptance is forced
 (:class:`ForcedInsideDraftVocabulary`: the verifier agrees with every draft, and its bonus token
 is drawn inside the head's draft vocabulary, so the next round's known token is one the head can
 condition on): each round emits 8 tokens at the real round's cost (fewer in a round whose draft
-is a whole copy shorter than the window: such a round verifies only the copy). Reported: ms per token of
-compiled AR decoding, the compiled round's phases (draft, verify, accept: means over the rounds of
-the median run), the forced speed-up over compiled AR, and (draft + accept) / a compiled verify of
-8 tokens. Then the **predicted** speed-up at the acceptance the shipped heads achieved on the real
-model (:data:`MEASURED_TOKENS_PER_ROUND`): ``tokens per round x AR ms per token / round ms``.
+is a whole copy shorter than the window: such a round verifies only the copy). Reported: ms per
+token of compiled AR decoding, the compiled round's phases (draft, verify, accept: means over the
+rounds of the median run), the forced speed-up over compiled AR, (draft + accept) / a compiled
+verify of 8 tokens, and on CUDA the kernels, launches and GPU time of a backbone call and of a
+round (:mod:`benchmarks.gpu_profile`). Then the **predicted** speed-up at the acceptance the
+shipped heads achieved on the real model (:data:`MEASURED_TOKENS_PER_ROUND`): ``tokens per round
+x AR ms per token / round ms``.
 """
 
 from __future__ import annotations
@@ -252,7 +254,8 @@ class SpeedBench:
 
     def forced_row(self, architecture: Architecture, rank: int, mode: Mode) -> Outcome:
         """The compiled speculative round with forced acceptance: its phases, the speed-up over
-        compiled AR, and (draft + accept) / verify; FAIL unless every round emitted 8 tokens."""
+        compiled AR, and (draft + accept) / verify, and what a round launches on CUDA; FAIL unless
+        every verified draft was accepted."""
         state = self.setup()
         if "ar_ms" not in self.results:
             return Outcome.verdict(False, "", {}, "the compiled AR row did not run")
