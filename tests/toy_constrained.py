@@ -83,6 +83,21 @@ def _masked_rows(logits: Tensor, automaton: object, state: int, drafts: Sequence
     return logits.masked_fill(~mask, float("-inf"))
 
 
+def _forced_run(automaton: object, state: int, drafts: Sequence[int], limit: int) -> list[int]:
+    """The ids the automaton forces after ``drafts`` from ``state`` (one allowed id, never EOS),
+    at most ``limit``: the decoder's jump-forward past a product draft."""
+    for token in drafts:
+        state = automaton.advance(state, token)  # type: ignore[attr-defined]
+    run: list[int] = []
+    while len(run) < limit:
+        allowed = automaton.allowed(state).tolist()  # type: ignore[attr-defined]
+        if len(allowed) != 1 or allowed[0] == automaton.eos_token_id:  # type: ignore[attr-defined]
+            break
+        run.append(allowed[0])
+        state = automaton.advance(state, allowed[0])  # type: ignore[attr-defined]
+    return run
+
+
 def _product_drafts(drafter: object, params: object, c: int, state: int, greedy: bool,
                     component: Tensor | None = None, mixed_q: bool = True
                     ) -> list[tuple[Tensor, Tensor, int, float]]:
@@ -241,11 +256,28 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
                 q = torch.zeros(window - 1, vocab, dtype=torch.float64)
                 q[:, ids] = q_compact
                 draft = tokens[:verified]
+                forced = _forced_run(automaton, state, draft.tolist(), window) \
+                    if drafter is not None and policy is CorrectionPolicy.EXACT else []
                 lm.crop(len(sequence) - 1)
-                step = lm.extend(torch.cat([torch.tensor([c]), draft])[None])
-                logits = _masked_rows(step.verifier_logits[0], automaton, state, draft.tolist())
+                block = torch.cat([torch.tensor([c]), draft, torch.tensor(forced, dtype=torch.long)])
+                step = lm.extend(block[None])
+                logits = _masked_rows(step.verifier_logits[0], automaton, state, block[1:].tolist())
                 p = target_probs(logits, config)
-                add_outcomes(outcomes, round_law(p, q[:verified], draft), draft, policy, weight)
+                law = round_law(p[:verified + 1], q[:verified], draft)
+                if not forced:
+                    add_outcomes(outcomes, law, draft, policy, weight)
+                    continue
+                # every draft accepted: the bonus row is a point mass at the first forced token;
+                # the forced run is emitted and the last token drawn after it
+                probs, tail = law.outcome_probs(), p[verified + len(forced)]
+                for s, y in probs.nonzero().tolist():
+                    mass = weight * float(probs[s, y])
+                    if s < verified:
+                        outcomes[(*draft[:s].tolist(), y)] += mass
+                        continue
+                    assert y == forced[0], (y, forced)
+                    for z in tail.nonzero()[:, 0].tolist():
+                        outcomes[(*draft.tolist(), *forced, z)] += mass * float(tail[z])
         rounds[sequence] = dict(outcomes)
         return rounds[sequence]
 

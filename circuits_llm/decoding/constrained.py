@@ -22,6 +22,13 @@ block is masked by the automaton's state after ``c, d_1..d_{k-1}``, and the usua
   drafts, a draft-side quantity, so the law stays exact; see
   :mod:`~circuits_llm.decoding.draft_length`). The verifier's masked residual covers the tokens
   the head cannot draft.
+  **Forced runs past the draft** (jump-forward): when the automaton, after ``c, d_1..d_L``, allows
+  one id only (and again after it, ...), those forced tokens ``f_1..f_J`` join the verify block
+  ``[c, d_1..d_L, f_1..f_J]``. Under the masked target each has probability 1, so once the ``L``
+  drafts are accepted (the bonus row ``L + 1`` is then a point mass at ``f_1``) they are emitted
+  too and the round's last token is drawn from the masked row after ``f_J``; after a rejection
+  they are dropped with the rest of the block. The run is a function of the drafts, so the law
+  stays exactly the masked LM's (docs/decoder-exactness.md §7).
 * ``FREE``: the head drafts as without a constraint; only the target is masked (a draft that
   breaks the constraint has target probability 0 and is rejected). The baseline of the benchmark.
 
@@ -135,6 +142,20 @@ class ConstraintTracker:
                     allowed = False
             states.append(states[-1])
         return states
+
+    def forced_run(self, drafts: list[int], limit: int) -> list[int]:
+        """The tokens the automaton forces after ``c, d_1..d_L`` (``drafts``, all allowed): while
+        its state allows exactly one id (never EOS), that id; at most ``limit``."""
+        start = time.perf_counter()
+        state, run = self.states_along(drafts)[-1], []
+        while len(run) < limit:
+            allowed = self.automaton.allowed(state)
+            if allowed.numel() != 1 or int(allowed[0]) == self.eos_token_id:
+                break
+            run.append(int(allowed[0]))
+            state = self.automaton.advance(state, run[-1])
+        self.pending += time.perf_counter() - start
+        return run
 
     def masked(self, logits: Tensor, drafts: list[int]) -> Tensor:
         """``logits`` (L+1, V) of the block ``[c, d_1..d_L]`` with row ``k`` masked by the state

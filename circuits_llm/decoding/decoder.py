@@ -63,7 +63,7 @@ from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, copy_compon
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats
 from circuits_llm.decoding.round import RoundOutcome, RoundProgram
 from circuits_llm.decoding.stopping import StopCondition
-from circuits_llm.decoding.warping import DecoderError, SamplingConfig, target_probs
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
 from circuits_llm.protocols import Backbone, BackboneStep, DraftHead, draft_head_problem
 from circuits_llm.runtime.compiling import Compiler, current_compiler
 
@@ -253,17 +253,23 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             draft = program.draft(hidden, torch.tensor([c], device=clock), uniforms,
                                   self._component(program))
             length = program.verified(draft)  # L: verify [c, d_1..d_L]
-        t1 = now(clock)
         block = draft.block if length == program.window - 1 else draft.block[:, :length + 1]
+        forced = self._forced_run(tracker, block, program.window)
+        if forced:
+            block = torch.cat([block, torch.tensor([forced], device=block.device)], 1)
+        t1 = now(clock)
         step = self.backbone.extend(block)
         t2 = now(clock)
         logits = step.verifier_logits[0]
         if tracker is not None:  # row k: the state after c, d_1..d_k
             logits = tracker.masked(logits, block[0, 1:].tolist())
-        outcome = program.outcome(program.accept(logits, draft, uniforms))
-        t3 = now(clock)
+        outcome = program.outcome(program.accept(logits[:length + 1], draft, uniforms))
         self._explain_failure(outcome, program, hidden, c, step, config)
         move = transition(self.policy, outcome.draft, outcome.accepted, outcome.token)
+        if forced and outcome.accepted == length:
+            move = self._through_forced(move, forced, logits[length + len(forced)], config,
+                                        generator)
+        t3 = now(clock)
         # impossible evidence: every draft was rejected and p_1 decided, an AR step in law;
         # otherwise ``drafted`` is L, the drafts this round verified
         kind, drafted = (RoundKind.SPECULATIVE, len(outcome.draft)) if outcome.possible else \
@@ -273,6 +279,30 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                            constraint_s=0.0 if tracker is None else tracker.take(),
                            product_size=size)
         return move, step, stats
+
+    def _forced_run(self, tracker: ConstraintTracker | None, block: Tensor, window: int
+                    ) -> list[int]:
+        """The tokens the constraint forces after the verified block ``[c, d_1..d_L]`` (PRODUCT
+        drafting, the exact policy; at most ``window``, and what the backbone's cache can hold)."""
+        if tracker is None or self.constrained_drafting is not ConstrainedDrafting.PRODUCT \
+                or self.policy is not CorrectionPolicy.EXACT:
+            return []
+        limit = window
+        capacity = getattr(self.backbone, "max_length", None)
+        if capacity is not None:
+            limit = min(limit, capacity - self.backbone.length - block.shape[1])
+        return tracker.forced_run(block[0, 1:].tolist(), limit) if limit > 0 else []
+
+    @staticmethod
+    def _through_forced(move: Transition, forced: list[int], row: Tensor, config: SamplingConfig,
+                        generator: torch.Generator | None) -> Transition:
+        """Every draft accepted: the bonus was drawn from a point mass at ``forced[0]``; emit the
+        whole forced run, then a token drawn from the masked row ``row`` (V,) after its end."""
+        if move.emitted[-1] != forced[0]:
+            raise DecoderError(f"the constraint forces token {forced[0]} but the verifier drew "
+                               f"{move.emitted[-1]}: the masked row was not a point mass")
+        token = sample_token(target_probs(row, config, VERIFIER_LOGITS), config.greedy, generator)
+        return Transition((*move.emitted, *forced[1:], token), token, move.keep + len(forced))
 
     def _explain_failure(self, outcome: RoundOutcome, program: RoundProgram, hidden: Tensor,
                          c: int, step: BackboneStep, config: SamplingConfig) -> None:
