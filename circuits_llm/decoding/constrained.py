@@ -28,7 +28,7 @@ block is masked by the automaton's state after ``c, d_1..d_{k-1}``, and the usua
   drafts are accepted (the bonus row ``L + 1`` is then a point mass at ``f_1``) they are emitted
   too and the round's last token is drawn from the masked row after ``f_J``; after a rejection
   they are dropped with the rest of the block. The run is a function of the drafts, so the law
-  stays exactly the masked LM's (docs/decoder-exactness.md §7).
+  stays exactly the masked LM's (docs/decoder-exactness.md §7b).
 * ``FREE``: the head drafts as without a constraint; only the target is masked (a draft that
   breaks the constraint has target probability 0 and is rejected). The baseline of the benchmark.
 
