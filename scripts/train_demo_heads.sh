@@ -14,7 +14,9 @@
 # INIT_FF / INIT_BTREE (a saved head directory each head starts from, --init-from; unset: fresh),
 # SHIP (1: write the heads into the package; 0: only train), DISTILL_BATCH (self-distilled rows
 # generated per batched forward, 16: the batch of the shipped heads' data; it is part of the data's
-# cache key, and larger batches generate faster: 32 rows gave 1.3x the tokens/s of 16 on this CPU).
+# cache key, and larger batches generate faster: 32 rows gave 1.3x the tokens/s of 16 on this CPU),
+# CHAT_SAMPLES (0: the model's replies to this many chat requests join the rows,
+# --distill-chat-samples; an instruct model's users chat as well as write code).
 # Every step resumes where it stopped (train-head checkpoints, the self-distilled data are cached
 # in the run directory), so the script can be interrupted and run again. The heads are fixed by
 # their step counts, not by wall-clock time: a rerun on any machine trains the same heads.
@@ -69,6 +71,7 @@ MODEL=${MODEL:-$("$PY" -c 'from circuits_llm.app.demo import resolve_model; prin
 COMMON=(--model "$MODEL" --window 8 --variant lean --lean-rank 8 --draft-vocab 4096
         --lora-layers 0 --self-distill --distill-samples "$DISTILL_SAMPLES" --distill-prompt-len 32
         --distill-temperature 1.0 --distill-batch "$DISTILL_BATCH" --cache-features
+        --distill-chat-samples "${CHAT_SAMPLES:-0}"
         --seq-len 128 --lr "$LR" --seed 0 "${TOKEN[@]}"
         --eval-every 50 --eval-windows 16 --device "$DEVICE" --threads "$THREADS" --no-progress)
 
@@ -77,9 +80,9 @@ train() {  # train NAME ARCH RANK STEPS BATCH [INIT_DIR]
   local init=()
   if [ -n "${6:-}" ]; then init=(--init-from "$6"); fi
   mkdir -p "$dir"
-  if [ ! -e "$dir/self_distilled.pt" ] && [ -e "$ROOT/ff/self_distilled.pt" ]; then
-    cp "$ROOT/ff/self_distilled.pt" "$dir/self_distilled.pt"
-  fi
+  for rows in self_distilled.pt self_distilled_chat.pt; do  # the FF run's rows serve BTree too
+    if [ ! -e "$dir/$rows" ] && [ -e "$ROOT/ff/$rows" ]; then cp "$ROOT/ff/$rows" "$dir/$rows"; fi
+  done
   echo "== train-head $2 (rank $3, $4 steps) in $dir"
   "$PY" -m circuits_llm train-head "${COMMON[@]}" --arch "$2" --rank "$3" --steps "$4" \
     --batch-size "$5" --run-dir "$dir" "${init[@]}" "${LIMIT[@]}"

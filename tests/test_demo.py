@@ -9,6 +9,7 @@ into a temporary shipped-heads directory, so the demo itself only decodes and re
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from circuits_llm.app import head_cache as hc
 from circuits_llm.app import report
 from circuits_llm.app.report import DecodeMode, DecoderRow, TokenUnit
 from circuits_llm.decoding.metrics import DecodeSummary
+from circuits_llm.text.byte_level import Split, corpus_files, split_of
+from circuits_llm.text.chat_requests import PromptSet, evaluation_chat_prompts
 from circuits_llm.text.corpus import CACHE_ENV, evaluation_prompts
 from circuits_llm.text.models import load_model
 from circuits_llm.training import train_head
@@ -198,3 +201,31 @@ def test_report_unit_is_checked() -> None:
         report.check_report({**record, "unit": "words"})
     with pytest.raises(report.ReportError, match="missing keys"):
         report.check_report({k: v for k, v in record.items() if k != "targets"})
+
+
+def test_demo_on_chat_prompts(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                              ) -> None:
+    """``--prompt-set chat``: the decoders run on held-out chat requests in the model's chat
+    template; a model without a chat template is one clear error."""
+    monkeypatch.setattr("circuits_llm.training.train_head", _no_training)
+    corpus = tmp_path / "chat-corpus"
+    corpus.mkdir()
+    index = 0
+    while not corpus_files(Split.TEST, corpus):
+        if split_of(f"held_{index}.py") is Split.TEST:
+            (corpus / f"held_{index}.py").write_text("def g(x):\n    return x\n")
+        index += 1
+    monkeypatch.setattr(demo_module, "evaluation_chat_prompts",
+                        partial(evaluation_chat_prompts, root=corpus))
+    config = replace(TINY, prompt_set=PromptSet.CHAT)
+    result = demo_module.run_comparison(config, world["model_dir"], tmp_path / "out",
+                                        tmp_path / "cache", command="demo", progress=False,
+                                        log=lambda line: None, shipped=world["shipped"])
+    assert result["config"]["prompt_set"] == "chat" and result["greedy_identical"]["all"]
+    tokenizer = world["loaded"].tokenizer
+    prompt = evaluation_chat_prompts(tokenizer, 2, root=corpus)[0]
+    assert result["sample"]["prompt"] == tokenizer.decode(prompt)
+    assert tokenizer.decode(prompt, skip_special_tokens=False).endswith("<s>assistant: ")
+    with pytest.raises(demo_module.DemoError, match=r"evaluation prompts \(chat\).*chat template"):
+        demo_module.run_comparison(config, "embedded", tmp_path / "out2", tmp_path / "cache",
+                                   command="demo", progress=False, log=lambda line: None)

@@ -250,3 +250,29 @@ def test_training_with_the_token_input_and_init_from(tmp_path: Path, corpus: Pat
     wrong = dataclasses.replace(reading, rank=2)
     with pytest.raises(TrainingConfigError, match="does not fit this run's head"):
         train(tmp_path / "wrong", corpus, wrong, model)
+
+
+def test_init_from_keeps_the_saved_heads_draft_vocabulary(tmp_path: Path, corpus: Path) -> None:
+    """A fine-tune on other data (here another corpus, in practice added chat rows) drafts over
+    the vocabulary of the head it starts from; a head of another vocabulary size is refused."""
+    model = tiny_llama(seed=2)
+    plain = training_config(architecture="ff", rank=1, draft_vocab=64, steps=2, eval_every=2)
+    train(tmp_path / "plain", corpus, plain, model)
+    saved, _ = load_trained_head(tmp_path / "plain", model)
+    other = tmp_path / "other-corpus"
+    other.mkdir()
+    for path in corpus.iterdir():  # the same files (so the same splits), other text
+        (other / path.name).write_text(path.read_text().upper())
+    fresh = train(tmp_path / "fresh", other, plain, model)
+    fine_tune = dataclasses.replace(plain, init_from=str(tmp_path / "plain" / "head"))
+    tuned = train(tmp_path / "tuned", other, fine_tune, model)
+    fresh_head, _ = load_trained_head(tmp_path / "fresh", model)
+    tuned_head, _ = load_trained_head(tmp_path / "tuned", model)
+    assert fresh_head.draft_tokens is not None and saved.draft_tokens is not None
+    assert not torch.equal(fresh_head.draft_tokens, saved.draft_tokens)  # the data differ
+    assert tuned_head.draft_tokens is not None
+    assert torch.equal(tuned_head.draft_tokens, saved.draft_tokens)
+    assert fresh.step == tuned.step == 2
+    smaller = dataclasses.replace(fine_tune, draft_vocab=32)
+    with pytest.raises(TrainingConfigError, match="drafts over 64 tokens, this run over 32"):
+        train(tmp_path / "smaller", other, smaller, model)

@@ -27,6 +27,7 @@ import torch
 from circuits_llm.app.demo import ComparisonConfig, DemoError, run_comparison, training_config
 from circuits_llm.app.head_cache import default_cache_dir, find_cached_head
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
+from circuits_llm.text.chat_requests import PromptSet
 from circuits_llm.text.models import EMBEDDED, ModelLoadError, load_model
 
 #: ``--head`` values that mean plain autoregressive decoding.
@@ -177,6 +178,9 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--train-batch-size", type=_positive_int)
     tuning.add_argument("--learning-rate", type=_positive_float)
     tuning.add_argument("--prompts", type=_positive_int, help="held-out prompts per mode")
+    tuning.add_argument("--prompt-set", type=PromptSet, metavar="{code,chat}",
+                        help="decode held-out code (code, the default) or held-out chat requests "
+                             "in the model's chat template (chat)")
     tuning.add_argument("--prompt-bytes", type=_positive_int)
     tuning.add_argument("--new-tokens", type=_positive_int, help="bytes generated per prompt")
     tuning.add_argument("--temperature", type=_positive_float, help="of the sampling mode (1.0)")
@@ -186,7 +190,8 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
     """``base`` with every override given on the command line."""
     names = ("window", "rank", "variant", "lora_layers", "token_input", "draft_confidence",
              "lookup", "train_steps", "train_seconds",
-             "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_bytes",
+             "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_set",
+             "prompt_bytes",
              "new_tokens", "temperature")
     changes: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if changes.get("draft_confidence") == 0:  # 0: every round verifies the whole window

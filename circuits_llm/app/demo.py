@@ -43,6 +43,7 @@ from circuits_llm.app.head_cache import HeadOrigin, obtain_head
 from circuits_llm.app.report import DecodeMode, TokenUnit
 from circuits_llm.runtime.devices import describe_device
 from circuits_llm.runtime.timing import machine_info
+from circuits_llm.text.chat_requests import PromptSet, evaluation_chat_prompts
 from circuits_llm.text.corpus import evaluation_prompts
 from circuits_llm.text.models import load_model
 from circuits_llm.text.references import packaged_gguf
@@ -102,7 +103,9 @@ class ComparisonConfig:
             train_batch_size``: what the step budget can read once).
         distill_prompt_len: corpus tokens in front of each self-distilled continuation.
         prompts: held-out prompts decoded per mode.
-        prompt_bytes: prompt length in tokens of the model (bytes for a byte-level model).
+        prompt_set: :class:`~circuits_llm.text.chat_requests.PromptSet`: held-out code to
+            continue (the default) or held-out chat requests in the model's chat template.
+        prompt_bytes: code prompt length in tokens of the model (bytes for a byte-level model).
         new_tokens: tokens generated per prompt.
         temperature: temperature of the sampling mode (greedy uses 0); also the temperature the
             self-distilled data are sampled at.
@@ -133,6 +136,7 @@ class ComparisonConfig:
     distill_samples: int = 256
     distill_prompt_len: int = 32
     prompts: int = 6
+    prompt_set: PromptSet = PromptSet.CODE
     prompt_bytes: int = 128
     new_tokens: int = 128
     temperature: float = 1.0
@@ -291,9 +295,12 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
     log(f"model: {loaded.source} ({sum(p.numel() for p in loaded.model.parameters()):,} "
         f"parameters, fingerprint {loaded.fingerprint[:12]}) on {describe_device(device)}")
     try:
-        prompts = evaluation_prompts(loaded.tokenizer, config.prompts, config.prompt_bytes)
+        prompts = evaluation_prompts(loaded.tokenizer, config.prompts, config.prompt_bytes) \
+            if config.prompt_set is PromptSet.CODE else \
+            evaluation_chat_prompts(loaded.tokenizer, config.prompts)
     except (ValueError, FileNotFoundError) as error:
-        raise DemoError(f"cannot build {config.prompts} evaluation prompts: {error}") from None
+        raise DemoError(f"cannot build {config.prompts} evaluation prompts "
+                        f"({config.prompt_set.value}): {error}") from None
     heads = []
     for architecture in config.heads:
         training = training_config(config, architecture)
@@ -325,7 +332,8 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
     mode = "compiled" if config.compile else \
         "compiled rounds, eager backbone" if config.compile_rounds else "eager"
     title = (f"{command}: {Path(loaded.source).name}, window {config.window}, {config.variant}, "
-             f"{config.lora_layers} LoRA layer(s), {mode}; {config.prompts} prompts x "
+             f"{config.lora_layers} LoRA layer(s), {mode}; {config.prompts} "
+             f"{config.prompt_set.value} prompts x "
              f"{config.new_tokens} {unit.value}")
     rep.write_tradeoff_plot(rows, out / PLOT_FILE, title, unit)
     atomic_write_text(out / TABLE_FILE, table + "\n\n" + rep.format_analysis(analysis, targets)

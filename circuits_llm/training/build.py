@@ -61,6 +61,27 @@ def input_embedding_weight(model: PreTrainedModel) -> Tensor:
     return weight
 
 
+def saved_draft_tokens(directory: str | Path, backbone: HFBackbone, draft_vocab: int) -> Tensor:
+    """The (K,) draft token ids of the head saved in ``directory`` (``init_from``), which a run
+    starting from it keeps.
+
+    Raises:
+        TrainingConfigError: no head there, one without a draft vocabulary, or one of another
+            size than ``draft_vocab``.
+    """
+    try:
+        saved = load_head(directory, backbone.hidden_size, backbone.vocab_size)
+    except HeadConfigError as error:
+        raise TrainingConfigError(f"init_from: {error}") from None
+    if saved.draft_tokens is None or saved.draft_tokens.numel() != draft_vocab:
+        has = "the whole vocabulary" if saved.draft_tokens is None else \
+            f"{saved.draft_tokens.numel():,} tokens"
+        raise TrainingConfigError(
+            f"init_from: the head in {directory} drafts over {has}, this run over {draft_vocab:,} "
+            "(--draft-vocab); start from a head with the same draft vocabulary size")
+    return saved.draft_tokens.detach().cpu()
+
+
 def start_from(head: MTPHead, directory: str | Path) -> None:
     """Copy the tensors of the head saved in ``directory`` into ``head`` (``init_from``).
 
@@ -235,7 +256,8 @@ def build_head(plan: HeadPlan, backbone: HFBackbone, counts: TokenCounts | None 
 
     With a draft vocabulary (``plan.size.draft_vocab``), ``counts`` (the training data's,
     :func:`~circuits_llm.training.datasets.training_token_counts`) chooses its ids: the most
-    frequent, plus the model's EOS ids.
+    frequent, plus the model's EOS ids; a run that starts from a saved head (``init_from``) keeps
+    that head's ids instead.
 
     Shapes: the head maps draft hidden states (B, d) to the parameters of a circuit over
     ``window`` variables with ``K`` categories (``V`` without a draft vocabulary).
@@ -252,7 +274,9 @@ def build_head(plan: HeadPlan, backbone: HFBackbone, counts: TokenCounts | None 
             f"({backbone.vocab_size}, {backbone.hidden_size})")
     try:
         tokens = None
-        if size.draft_vocab is not None:
+        if size.draft_vocab is not None and config.init_from is not None:
+            tokens = saved_draft_tokens(config.init_from, backbone, size.draft_vocab)
+        elif size.draft_vocab is not None:
             if counts is None:
                 raise TrainingConfigError("a head with a draft vocabulary is built from token "
                                           "counts of its training data; pass counts")

@@ -90,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
         max_train_bytes=args.max_train_bytes, distill_samples=args.distill_samples,
         distill_prompt_len=args.distill_prompt_len,
         distill_temperature=args.distill_temperature, bf16=args.bf16,
-        distill_batch=args.distill_batch, cache_features=args.cache_features,
+        distill_batch=args.distill_batch, distill_chat_samples=args.distill_chat_samples,
+        cache_features=args.cache_features,
         feature_dtype=args.feature_dtype, target_law=args.target_law,
         teacher_top_k=args.teacher_top_k, teacher_temperature=args.teacher_temperature,
         teacher_weight=args.teacher_weight)
@@ -207,6 +208,9 @@ def add_train_head_command(sub: Any) -> None:
     p.add_argument("--distill-batch", type=int, default=d.distill_batch,
                    help="self-distilled rows generated together, one batched forward per token "
                         f"(default {d.distill_batch})")
+    p.add_argument("--distill-chat-samples", type=int, default=d.distill_chat_samples,
+                   help="also train on the model's replies to this many chat requests (about "
+                        "code and everyday subjects, in its chat template; with --self-distill)")
     p.add_argument("--target-law", choices=[t.value for t in TargetLaw],
                    default=d.target_law.value,
                    help="what each window slot learns: the data's tokens (default), or the "

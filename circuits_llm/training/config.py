@@ -152,8 +152,9 @@ class HeadTrainingConfig:
             as EAGLE / Hydra draft models do.
         init_from: a head directory (:func:`~circuits_llm.heads.save_head`'s, e.g. an earlier
             run's ``head/``) whose tensors start this run's head; tensors it lacks (a new token
-            input) keep their initialisation, which leaves the saved head's law unchanged.
-            None: a fresh head.
+            input) keep their initialisation, which leaves the saved head's law unchanged. The
+            run drafts over the saved head's draft vocabulary (a fine-tune on other data, e.g.
+            with chat rows, keeps the output space it starts from). None: a fresh head.
         head_budget: the most trainable parameters a head gets by default, as a fraction of the
             backbone's; an explicit ``rank`` or ``draft_vocab`` beyond it is kept, with a
             :class:`~circuits_llm.heads.sizing.HeadBudgetWarning` naming the numbers.
@@ -186,6 +187,8 @@ class HeadTrainingConfig:
             continuations.
         distill_batch: self-distilled rows generated together, one batched forward per token
             (part of the data's cache key: the batch can change the last bits of the logits).
+        distill_chat_samples: self-distilled chat rows added to the corpus rows: the model's
+            replies to chat requests (:mod:`circuits_llm.training.chat_distill`; 0: none).
         cache_features: :class:`FeatureCaching` (``AUTO``: on for self-distilled data).
         feature_dtype: :class:`FeatureDtype` of the cached features.
         bf16: run the backbone forward under bf16 autocast (slower than fp32 on most CPUs).
@@ -229,6 +232,7 @@ class HeadTrainingConfig:
     distill_temperature: float = 1.0
     bf16: bool = False
     distill_batch: int = 16
+    distill_chat_samples: int = 0
     cache_features: FeatureCaching = FeatureCaching.AUTO
     feature_dtype: FeatureDtype = FeatureDtype.FLOAT16
     target_law: TargetLaw = TargetLaw.TOKENS
@@ -281,7 +285,8 @@ class HeadTrainingConfig:
         for name, minimum in (("lean_rank", 1), ("lora_layers", 0), ("lora_rank", 1),
                               ("batch_size", 1), ("steps", 1), ("seed", 0), ("eval_every", 1),
                               ("eval_windows", 1), ("distill_samples", 1),
-                              ("distill_prompt_len", 1), ("distill_batch", 1)):
+                              ("distill_prompt_len", 1), ("distill_batch", 1),
+                              ("distill_chat_samples", 0)):
             _int(name, getattr(self, name), minimum)
         _int("seq_len", self.seq_len, self.window + 1)
         _positive("learning_rate", self.learning_rate)
@@ -296,6 +301,9 @@ class HeadTrainingConfig:
                 raise TrainingConfigError(f"gamma must be in (0, 1], got {self.gamma!r}")
         if self.max_train_bytes is not None:
             _int("max_train_bytes", self.max_train_bytes, self.seq_len + 1)
+        if self.distill_chat_samples and self.data is not DataSource.SELF_DISTILLED:
+            raise TrainingConfigError("distill_chat_samples adds self-distilled chat rows to "
+                                      "self-distilled corpus rows; pass --self-distill too")
         if self.data is DataSource.SELF_DISTILLED and \
                 self.seq_len - self.distill_prompt_len < self.window:
             raise TrainingConfigError(

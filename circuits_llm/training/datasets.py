@@ -16,7 +16,9 @@ recorded, or bytes for a byte model); it must fit the model's vocabulary
 * :attr:`DataSource.SELF_DISTILLED` (FastMTP Sec. 2.4): prompts from the same streams continued
   by the model itself (:mod:`circuits_llm.training.self_distill`, cached and resumable in the run
   directory); the loss covers the responses only (windows start at the last prompt token or
-  later).
+  later). With ``distill_chat_samples`` the model's replies to chat requests follow them
+  (:mod:`circuits_llm.training.chat_distill`; :class:`JoinedSequences`), trained on up to each
+  reply's end.
 
 Every problem with the data is one :class:`~circuits_llm.training.config.TrainingConfigError`
 naming the corpus and what to change, raised before anything is written.
@@ -37,6 +39,7 @@ from circuits_llm.heads.vocab import TokenCounts, token_counts
 from circuits_llm.text.byte_level import Split, stdlib_root
 from circuits_llm.text.corpus import CorpusError, TokenStream, tokenized_split
 from circuits_llm.text.tokens import TextTokenizer, TokenizerError, check_vocabulary, tokenizer_for
+from circuits_llm.training.chat_distill import chat_distilled_rows, chat_plan
 from circuits_llm.training.config import (
     DataSource,
     FeatureCaching,
@@ -51,7 +54,8 @@ from circuits_llm.training.self_distill import (
     self_distilled_rows,
 )
 
-__all__ = ["DISTILL_FILE", "DISTILL_KIND", "PARTS_DIR", "SequenceSet", "StreamWindows",
+__all__ = ["DISTILL_FILE", "DISTILL_KIND", "PARTS_DIR", "JoinedSequences", "SequenceSet",
+           "StreamWindows",
            "TensorSequences", "corpus_sets", "self_distilled_sets", "training_sets",
            "training_streams", "training_tokenizer"]
 
@@ -94,6 +98,50 @@ class TensorSequences(SequenceSet):
     def rows(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
         mask = None if self.loss_mask is None else self.loss_mask[index]
         return self.sequences[index], mask
+
+
+@dataclass(frozen=True)
+class JoinedSequences(SequenceSet):
+    """Sets of equal-length rows one after the other (the corpus rows, then the chat rows):
+    row ``i`` of the join is row ``i - offset`` of the part it falls in.
+
+    Attributes:
+        parts: the sets, every row of every part of one length.
+    """
+
+    parts: tuple[SequenceSet, ...]
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def locate(self, index: Tensor) -> list[tuple[int, Tensor, Tensor]]:
+        """``(part, where, local)`` for each part holding some of ``index`` (b,): the positions
+        ``where`` in ``index`` and the rows ``local`` within the part."""
+        flat = index.reshape(-1).long()
+        found, offset = [], 0
+        for number, part in enumerate(self.parts):
+            inside = (flat >= offset) & (flat < offset + len(part))
+            if bool(inside.any()):
+                where = inside.nonzero().reshape(-1)
+                found.append((number, where, flat[where] - offset))
+            offset += len(part)
+        return found
+
+    def rows(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
+        tokens: Tensor | None = None
+        mask: Tensor | None = None
+        flat = index.reshape(-1).long()
+        for number, where, local in self.locate(flat):
+            part_tokens, part_mask = self.parts[number].rows(local)
+            if tokens is None:
+                tokens = part_tokens.new_zeros((flat.shape[0], part_tokens.shape[1]))
+                mask = torch.ones(tokens.shape, dtype=torch.bool)
+            tokens[where] = part_tokens
+            if part_mask is not None and mask is not None:
+                mask[where] = part_mask
+        if tokens is None:
+            raise IndexError("no rows asked of a joined sequence set")
+        return tokens, mask
 
 
 @dataclass(frozen=True)
@@ -187,7 +235,8 @@ def _response_mask(sequences: Tensor, prompt_len: int) -> Tensor:
 
 def self_distilled_sets(model: PreTrainedModel, config: HeadTrainingConfig, tokenizer: TextTokenizer,
                         train: TokenStream, validation: TokenStream, run_dir: Path, *,
-                        writer: bool, progress: bool = False) -> tuple[SequenceSet, SequenceSet]:
+                        writer: bool, progress: bool = False, root: Path | None = None,
+                        ) -> tuple[SequenceSet, SequenceSet]:
     """``(train, validation)`` self-distilled rows, from ``run_dir``'s cache or generated into it.
 
     Raises:
@@ -198,8 +247,15 @@ def self_distilled_sets(model: PreTrainedModel, config: HeadTrainingConfig, toke
         model, plan(model, tokenizer, config, train, validation), run_dir, writer=writer,
         progress=progress)
     prompt_len = config.distill_prompt_len
-    return (TensorSequences(rows_train, _response_mask(rows_train, prompt_len)),
-            TensorSequences(rows_validation, _response_mask(rows_validation, prompt_len)))
+    corpus = (TensorSequences(rows_train, _response_mask(rows_train, prompt_len)),
+              TensorSequences(rows_validation, _response_mask(rows_validation, prompt_len)))
+    if not config.distill_chat_samples:
+        return corpus
+    chat_train, mask_train, chat_validation, mask_validation = chat_distilled_rows(
+        model, chat_plan(model, tokenizer, config, root), run_dir, writer=writer,
+        progress=progress)
+    return (JoinedSequences((corpus[0], TensorSequences(chat_train, mask_train))),
+            JoinedSequences((corpus[1], TensorSequences(chat_validation, mask_validation))))
 
 
 def training_sets(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: Path, *,
@@ -213,7 +269,7 @@ def training_sets(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: P
     train, validation = training_streams(config, chosen, root, cache_dir, progress)
     if config.data is DataSource.SELF_DISTILLED:
         return self_distilled_sets(model, config, chosen, train, validation, Path(run_dir),
-                                   writer=writer, progress=progress)
+                                   writer=writer, progress=progress, root=root)
     return corpus_sets(config, train, validation)
 
 
@@ -229,5 +285,8 @@ def training_token_counts(data: SequenceSet, vocab_size: int) -> TokenCounts:
     if isinstance(data, TensorSequences):
         tokens = data.sequences if data.loss_mask is None else data.sequences[data.loss_mask]
         return token_counts(tokens, vocab_size)
+    if isinstance(data, JoinedSequences):
+        return TokenCounts(sum((training_token_counts(part, vocab_size).counts
+                                for part in data.parts), torch.zeros(vocab_size, dtype=torch.int64)))
     rows = torch.arange(len(data))
     return token_counts((data.rows(chunk)[0] for chunk in rows.split(256)), vocab_size)

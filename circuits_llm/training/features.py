@@ -56,7 +56,7 @@ from circuits_llm.training.config import (
     HeadTrainingConfig,
     TargetLaw,
 )
-from circuits_llm.training.datasets import SequenceSet
+from circuits_llm.training.datasets import JoinedSequences, SequenceSet
 from circuits_llm.training.distributed import DistributedContext
 from circuits_llm.training.feature_store import (
     EntrySpec,
@@ -93,6 +93,37 @@ def caching_wanted(config: HeadTrainingConfig) -> bool:
 
 
 @dataclass(frozen=True)
+class JoinedEntry:
+    """The features of a :class:`~circuits_llm.training.datasets.JoinedSequences`: one cache
+    entry per part (so the corpus rows' entry is shared with runs without the chat rows).
+
+    Attributes:
+        joined: the rows.
+        entries: the features of each of its parts, in order.
+    """
+
+    joined: JoinedSequences
+    entries: tuple[FeatureEntry, ...]
+
+    @property
+    def path(self) -> Path:
+        return self.entries[0].path
+
+    def rows(self, index: Tensor) -> Tensor:
+        """(b, L, d) features of rows ``index`` (b,) of the join."""
+        flat = index.reshape(-1).long()
+        out: Tensor | None = None
+        for number, where, local in self.joined.locate(flat):
+            values = self.entries[number].rows(local)
+            if out is None:
+                out = values.new_empty((flat.shape[0], *values.shape[1:]))
+            out[where] = values
+        if out is None:
+            raise IndexError("no rows asked of joined features")
+        return out
+
+
+@dataclass(frozen=True)
 class FeatureRows(SequenceSet):
     """Sequences with the cached backbone features of every row.
 
@@ -104,7 +135,7 @@ class FeatureRows(SequenceSet):
     """
 
     sequences: SequenceSet
-    entry: FeatureEntry
+    entry: FeatureEntry | JoinedEntry
     branch: BranchArguments | None = None
 
     def __len__(self) -> int:
@@ -112,6 +143,12 @@ class FeatureRows(SequenceSet):
 
     def rows(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
         return self.sequences.rows(index)
+
+    @property
+    def entry_paths(self) -> list[Path]:
+        """The cache entries these rows read (one per part of a join)."""
+        entry = self.entry
+        return [e.path for e in entry.entries] if isinstance(entry, JoinedEntry) else [entry.path]
 
     def features(self, index: Tensor) -> Tensor:
         """(b, L, d) cached features of rows ``index`` (b,), in the stored dtype."""
@@ -248,7 +285,11 @@ def cached_feature_sets(backbone: HFBackbone, config: HeadTrainingConfig, train:
         say(f"this model's features cannot be cached ({error}); training from the backbone")
         return train, validation
     sample = features.live(first)
-    specs = [features.spec(data, sample) for data in (train, validation)]
+    sets = (("train", train), ("validation", validation))
+    parts = [(f"{name}, part {k + 1}" if isinstance(data, JoinedSequences) else name, part)
+             for name, data in sets
+             for k, part in enumerate(data.parts if isinstance(data, JoinedSequences) else [data])]
+    specs = [features.spec(part, sample) for _, part in parts]
     use = True
     if context.is_writer:  # the room for the entries not built yet (a partial build counted whole)
         todo = [spec for spec in specs if not spec.paths(directory)["marker"].is_file()]
@@ -266,7 +307,7 @@ def cached_feature_sets(backbone: HFBackbone, config: HeadTrainingConfig, train:
     if not use:
         return train, validation
     entries = []
-    for name, data, spec in (("train", train, specs[0]), ("validation", validation, specs[1])):
+    for (name, data), spec in zip(parts, specs, strict=True):
         if context.is_writer:
             entry = build_entry(directory, spec, features.compute(data, spec.dtype),
                                 forward_rows=config.batch_size, progress=progress,
@@ -275,4 +316,10 @@ def cached_feature_sets(backbone: HFBackbone, config: HeadTrainingConfig, train:
             entry = _wait_for(directory, spec, say)
         entries.append(entry)
     _check_row(entries[0], sample[:1])
-    return FeatureRows(train, entries[0], branch), FeatureRows(validation, entries[1], branch)
+    result = []
+    for _, data in sets:
+        count = len(data.parts) if isinstance(data, JoinedSequences) else 1
+        own, entries = entries[:count], entries[count:]
+        entry = JoinedEntry(data, tuple(own)) if isinstance(data, JoinedSequences) else own[0]
+        result.append(FeatureRows(data, entry, branch))
+    return result[0], result[1]

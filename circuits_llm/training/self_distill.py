@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -99,6 +99,24 @@ class DistillPlan:
         first = index * self.batch_rows
         return range(first, min(first + self.batch_rows, self.rows))
 
+    # what :func:`generate_rows` reads of a plan (a chat plan, :mod:`.chat_distill`, has the same)
+    parts_dir: ClassVar[str] = PARTS_DIR
+    part_kind: ClassVar[str] = DISTILL_PART_KIND
+    stop_ids: ClassVar[tuple[int, ...]] = ()
+
+    @property
+    def row_length(self) -> int:
+        return int(self.prompts.shape[1]) + self.response_len
+
+    def batch_prompts(self, index: int) -> Tensor:
+        """(b, P) prompts of batch ``index``."""
+        rows = self.batch(index)
+        return self.prompts[rows.start:rows.stop]
+
+    def row_seed(self, row: int) -> int:
+        """The seed of row ``row``'s generator."""
+        return self.seed + row
+
 
 def plan(model: PreTrainedModel, tokenizer: TextTokenizer, config: HeadTrainingConfig,
          train: TokenStream, validation: TokenStream) -> DistillPlan:
@@ -125,13 +143,18 @@ def plan(model: PreTrainedModel, tokenizer: TextTokenizer, config: HeadTrainingC
 
 @torch.no_grad()
 def continue_rows(model: PreTrainedModel, prompts: Tensor, response_len: int, temperature: float,
-                  generators: list[torch.Generator]) -> Tensor:
+                  generators: list[torch.Generator], stop_ids: tuple[int, ...] = ()) -> Tensor:
     """(b, P) prompts -> (b, P + R) prompts followed by ``R = response_len`` generated tokens.
 
     One forward over the prompts, then one per token with the model's KV cache, every row at
     once (equal lengths: no padding). Greedy (``temperature == 0``): every row's first argmax.
     Sampling: the batch's warped probabilities in one call, then row ``i`` draws its token from
     ``generators[i]`` (on the model's device), exactly as a one-row decoder draws it.
+
+    ``stop_ids``: once every row has generated one of them, the batch stops and the remaining
+    columns are filled with the first of them (a chat reply ends; what follows is never trained
+    on: :func:`circuits_llm.training.chat_distill.reply_mask`). A row that has stopped keeps being
+    fed its sampled tokens until then, which changes nothing before its stop.
 
     Raises:
         InvalidDistributionError: the model's logits are NaN or infinite.
@@ -141,7 +164,9 @@ def continue_rows(model: PreTrainedModel, prompts: Tensor, response_len: int, te
     tokens = prompts.to(device)
     out = model(input_ids=tokens, use_cache=True)
     past, logits = out.past_key_values, out.logits[:, -1]
-    generated = []
+    generated: list[Tensor] = []
+    ended = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
+    stops = torch.tensor(stop_ids, dtype=tokens.dtype, device=device)
     for step in range(response_len):
         probs = target_probs(logits, config, "the model's logits")
         if config.greedy:
@@ -150,14 +175,21 @@ def continue_rows(model: PreTrainedModel, prompts: Tensor, response_len: int, te
             column = torch.cat([torch.multinomial(probs[i], 1, generator=generators[i])
                                 for i in range(tokens.shape[0])])[:, None]
         generated.append(column)
+        if stop_ids:
+            ended |= torch.isin(column[:, 0], stops)
+            if bool(ended.all()):
+                filler = torch.full((tokens.shape[0], response_len - step - 1), stop_ids[0],
+                                    dtype=tokens.dtype, device=device)
+                generated.append(filler)
+                break
         if step + 1 < response_len:
             out = model(input_ids=column, past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1]
     return torch.cat([tokens, *generated], dim=1).cpu()
 
 
-def _part_path(run_dir: Path, index: int) -> Path:
-    return run_dir / PARTS_DIR / f"part-{index:05d}.pt"
+def _part_path(run_dir: Path, index: int, parts_dir: str = PARTS_DIR) -> Path:
+    return run_dir / parts_dir / f"part-{index:05d}.pt"
 
 
 def _mismatch(path: Path, found: object, key: dict[str, Any]) -> CheckpointError:
@@ -165,31 +197,34 @@ def _mismatch(path: Path, found: object, key: dict[str, Any]) -> CheckpointError
                            f"{key}); delete it or use a new run directory")
 
 
-def _load_part(path: Path, plan_: DistillPlan, index: int) -> Tensor | None:
+def _load_part(path: Path, plan_: Any, index: int) -> Tensor | None:
     if not path.is_file():
         return None
-    part = load_checkpoint(path, DISTILL_PART_KIND)
+    part = load_checkpoint(path, plan_.part_kind)
     if part.get("key") != plan_.key or part.get("index") != index:
         raise _mismatch(path, part.get("key"), plan_.key)
     rows = part["rows"]
     count = len(plan_.batch(index))
-    if tuple(rows.shape) != (count, plan_.prompts.shape[1] + plan_.response_len):
+    if tuple(rows.shape) != (count, plan_.row_length):
         raise CheckpointError(f"{path} holds rows of the wrong shape; the file is corrupt: delete it")
     return rows
 
 
-def generate_rows(model: PreTrainedModel, plan_: DistillPlan, run_dir: Path | None,
+def generate_rows(model: PreTrainedModel, plan_: Any, run_dir: Path | None,
                   progress: bool = False,
                   on_batch: Callable[[int], None] | None = None) -> Tensor:
     """Every row of ``plan_`` (N, P + R), resuming from and writing parts in ``run_dir`` (None:
-    in memory only).
+    in memory only). ``plan_``: a :class:`DistillPlan`, or a chat plan
+    (:class:`circuits_llm.training.chat_distill.ChatPlan`), whose batches group prompts of one
+    length; rows come back in the plan's row order either way.
 
     ``on_batch(index)`` is called after each newly generated batch is saved (tests use it).
     """
     from tqdm import tqdm
     parts: list[Tensor | None] = [None] * plan_.batches
     if run_dir is not None:
-        parts = [_load_part(_part_path(run_dir, k), plan_, k) for k in range(plan_.batches)]
+        parts = [_load_part(_part_path(run_dir, k, plan_.parts_dir), plan_, k)
+                 for k in range(plan_.batches)]
     done = sum(len(plan_.batch(k)) for k, p in enumerate(parts) if p is not None)
     bar = tqdm(total=plan_.rows, initial=done, desc="self-distil", unit="seq",
                disable=not progress, dynamic_ncols=True)
@@ -199,20 +234,24 @@ def generate_rows(model: PreTrainedModel, plan_: DistillPlan, run_dir: Path | No
             if parts[k] is not None:
                 continue
             rows_k = plan_.batch(k)
-            generators = [torch.Generator(device=model.device).manual_seed(plan_.seed + i)
+            generators = [torch.Generator(device=model.device).manual_seed(plan_.row_seed(i))
                           for i in rows_k]
-            rows = continue_rows(model, plan_.prompts[rows_k.start:rows_k.stop],
-                                 plan_.response_len, plan_.temperature, generators)
+            prompts = plan_.batch_prompts(k)
+            response_len = plan_.row_length - prompts.shape[1]
+            rows = continue_rows(model, prompts, response_len, plan_.temperature, generators,
+                                 plan_.stop_ids)
             if run_dir is not None:
-                save_checkpoint(_part_path(run_dir, k), DISTILL_PART_KIND,
+                save_checkpoint(_part_path(run_dir, k, plan_.parts_dir), plan_.part_kind,
                                 {"key": plan_.key, "index": k, "rows": rows})
             parts[k] = rows
-            generated += len(rows_k) * plan_.response_len
+            generated += len(rows_k) * response_len
             bar.set_postfix(tokens_s=f"{generated / (time.perf_counter() - started):,.0f}")
             bar.update(len(rows_k))
             if on_batch is not None:
                 on_batch(k)
-    return torch.cat([p for p in parts if p is not None])
+    rows = torch.cat([p for p in parts if p is not None])
+    order = torch.tensor([i for k in range(plan_.batches) for i in plan_.batch(k)])
+    return rows[torch.argsort(order)]
 
 
 def self_distilled_rows(model: PreTrainedModel, plan_: DistillPlan, run_dir: Path, *,

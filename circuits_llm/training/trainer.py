@@ -184,8 +184,8 @@ class Trainer:
                 progress=self.progress, notify=self.notify)
         except UnsupportedModelError as error:
             raise FeatureCacheError(f"cannot cache this model's features: {error}") from None
-        self.feature_entries = [data.entry.path for data in (train, validation)
-                                if isinstance(data, FeatureRows)]
+        self.feature_entries = [path for data in (train, validation)
+                                if isinstance(data, FeatureRows) for path in data.entry_paths]
         return train, validation
 
     def build_head(self, train: SequenceSet) -> None:
