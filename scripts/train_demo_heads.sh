@@ -40,7 +40,11 @@ THREADS=${THREADS:-1}
 # GPU"). The shipped FF head then learned to read the verified token on the 2-core CPU, on the
 # same 8,192 rows: TOKEN_INPUT=1 INIT_FF=<the H200 FF run>/head FF_STEPS=600 FF_BATCH=16
 # DISTILL_SAMPLES=8192 DISTILL_BATCH=256 THREADS=2 (0.86 s a step with the cached features,
-# 9 minutes; docs/results.md, section 6, "Heads that read the verified token").
+# 9 minutes; docs/results.md, section 6, "Heads that read the verified token"). The shipped BTree
+# head learned it the same way, from the H200 BTree run: TOKEN_INPUT=1 INIT_BTREE=<the H200 BTree
+# run>/head BTREE_STEPS=400 BTREE_BATCH=16 LR=1e-3 DISTILL_SAMPLES=8192 DISTILL_BATCH=256 THREADS=2
+# (6.9 s a step, 46 minutes; docs/results.md, section 6, "The BTree head reads the verified token
+# too").
 if [ "${DEVICE%%:*}" = cuda ]; then
   DISTILL_SAMPLES=${DISTILL_SAMPLES:-8192}; DISTILL_BATCH=${DISTILL_BATCH:-256}
   BATCH_SIZE=${BATCH_SIZE:-32}; FF_STEPS=${FF_STEPS:-2000}; BTREE_STEPS=${BTREE_STEPS:-2000}

@@ -407,7 +407,10 @@ def test_demo_drafting_options_parse_and_are_checked(capsys: pytest.CaptureFixtu
     from circuits_llm.app.commands import comparison_config
     parser = build_parser()
     base = demo_module.ComparisonConfig.demo()
-    assert base.token_input == ("ff",) and base.draft_confidence == 0.3
+    assert base.token_input == ("ff", "btree") and base.draft_confidence == 0.3
+    args = parser.parse_args(["demo", "--token-input", "ff", "--draft-confidence", "0"])
+    config = comparison_config(args, base)
+    assert config.token_input == ("ff",) and not demo_module.training_config(config, "btree").token_input
     args = parser.parse_args(["demo", "--token-input", "ff,BTree", "--draft-confidence", "0"])
     config = comparison_config(args, base)
     assert config.token_input == ("ff", "btree") and config.draft_confidence is None

@@ -148,12 +148,13 @@ class ComparisonConfig:
     def demo(cls, quick: bool = False) -> ComparisonConfig:
         """``demo`` defaults, chosen for SmolLM2-135M on a 2-core CPU (docs/tutorial-llm.md,
         section 10): window 8, BTree rank 16, LEAN heads over a 4,096-token draft vocabulary,
-        the FF head reading the verified token (docs/results.md section 6), self-distilled
+        both heads reading the verified token (docs/results.md section 6), self-distilled
         training data, rounds that verify only the drafts the head is at least 30% confident
         in (a verify block costs more per token on a CPU), drafts mixed with a copy of the
         context (``lookup``: SmolLM2 repeats itself, greedy above all); quick: fewer prompts and tokens,
         and (when no head is cached or shipped) a shorter training."""
-        full = cls(window=8, rank=16, draft_vocab=4096, token_input=("ff",), draft_confidence=0.3,
+        full = cls(window=8, rank=16, draft_vocab=4096, token_input=("ff", "btree"),
+                   draft_confidence=0.3,
                    lookup=(0.1, 0.3, 0.5), train_seq_len=128, train_batch_size=8,
                    self_distill=True, prompts=6, new_tokens=128)
         if quick:
