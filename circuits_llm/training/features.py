@@ -105,10 +105,6 @@ class JoinedEntry:
     joined: JoinedSequences
     entries: tuple[FeatureEntry, ...]
 
-    @property
-    def path(self) -> Path:
-        return self.entries[0].path
-
     def rows(self, index: Tensor) -> Tensor:
         """(b, L, d) features of rows ``index`` (b,) of the join."""
         flat = index.reshape(-1).long()
