@@ -68,9 +68,10 @@ def test_demo_writes_a_valid_report(demo_run: dict) -> None:
     assert result["greedy_identical"] == {"all": True, "prompts": 2, "mismatches": [],
                                           "decoders": ["autoregressive", "btree", "ff"]}
     assert {h: r["cached"] for h, r in result["heads"].items()} == {"ff": False, "btree": False}
-    assert result["config"]["draft_confidence"] == 0.3 and result["config"]["token_input"] == ["ff"]
+    assert result["config"]["draft_confidence"] == 0.3
+    assert result["config"]["token_input"] == ["ff", "btree"]  # both heads read the token
     assert result["heads"]["ff"]["training_config"]["token_input"] is True
-    assert result["heads"]["btree"]["training_config"]["token_input"] is False
+    assert result["heads"]["btree"]["training_config"]["token_input"] is True
     for row in result["rows"]:
         assert row["prompts"] == 2 and row["new_tokens"] == 24
         if row["decoder"] == "autoregressive":
