@@ -28,7 +28,7 @@ import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ from circuits_llm.text.chat_requests import ChatRequestError, chat_prompts
 from circuits_llm.text.models import backbone_identity
 from circuits_llm.text.tokens import ChatTemplateError, TextTokenizer
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
-from circuits_llm.training.self_distill import generate_rows
+from circuits_llm.training.self_distill import _mismatch, generate_rows
 
 __all__ = ["CHAT_DISTILL_FILE", "CHAT_SEED_OFFSET", "ChatPlan", "chat_distilled_rows", "chat_plan",
            "max_prompt_tokens", "reply_mask"]
@@ -85,8 +85,8 @@ class ChatPlan:
     stop_ids: tuple[int, ...]
     groups: list[list[int]] = field(init=False, repr=False)
 
-    parts_dir = CHAT_PARTS_DIR
-    part_kind = CHAT_PART_KIND
+    parts_dir: ClassVar[str] = CHAT_PARTS_DIR
+    part_kind: ClassVar[str] = CHAT_PART_KIND
 
     def __post_init__(self) -> None:
         by_length: dict[int, list[int]] = defaultdict(list)
@@ -181,8 +181,7 @@ def chat_distilled_rows(model: PreTrainedModel, plan_: ChatPlan, run_dir: Path, 
     if path.exists():
         cached = load_checkpoint(path, CHAT_KIND)
         if cached.get("key") != plan_.key:
-            raise CheckpointError(f"{path} was generated with other settings or another model; "
-                                  "delete it or use a new run directory")
+            raise _mismatch(path, cached.get("key"), plan_.key)
         rows = cached["rows"]
         if tuple(rows.shape) != (plan_.rows, plan_.row_length):
             raise CheckpointError(f"{path} holds rows of the wrong shape; the file is corrupt")
