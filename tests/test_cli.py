@@ -433,3 +433,21 @@ def test_demo_drafting_options_parse_and_are_checked(capsys: pytest.CaptureFixtu
         with pytest.raises(SystemExit):
             parser.parse_args(["demo", "--lookup", bad])
         assert "expected weights in [0, 1]" in capsys.readouterr().err
+
+
+def test_generate_with_a_json_schema_stays_inside_its_bounds(subword_run: dict, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]
+                                                               ) -> None:
+    """``--json-schema FILE`` on the command line: integer bounds hold (outlines-core alone would
+    allow any integer), and a keyword the regex cannot enforce is one error naming it."""
+    schema = tmp_path / "small.json"
+    schema.write_text(json.dumps({"type": "integer", "minimum": 3, "maximum": 12}))
+    for prompt in ("x", "class A:", "def f(a):"):
+        code, out, err = _generate_text(subword_run, "--prompt", prompt, "--json-schema", str(schema))
+        assert code == 0 and 3 <= int(out) <= 12, (out, err)
+    refused = tmp_path / "price.json"
+    refused.write_text(json.dumps({"type": "object", "properties": {"price": {"type": "number",
+                                                                              "minimum": 0}}}))
+    code, out, err = _generate_text(subword_run, "--prompt", "x", "--json-schema", str(refused))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "#/properties/price/minimum is not enforced" in err and "integer" in err

@@ -5,7 +5,9 @@ A :class:`Regex` or :class:`JsonSchema` (:mod:`~circuits_llm.constraints.spec`) 
 (:mod:`~circuits_llm.constraints.automaton`); :func:`token_bytes` reads the bytes each id spells
 (:mod:`~circuits_llm.constraints.vocabulary`). The decoder masks the verifier's logits with
 :meth:`TokenAutomaton.mask` and restricts the draft circuit to :meth:`TokenAutomaton.window`.
-Inside the room the order is spec -> vocabulary -> automaton.
+JSON schemas are first checked against what the regex can enforce, and their integer bounds
+encoded (:mod:`~circuits_llm.constraints.schema_support`). Inside the room the order is
+errors -> integer_range -> schema_support -> spec -> vocabulary -> automaton.
 """
 
 from circuits_llm.constraints.automaton import TokenAutomaton, WindowTable, clear_cache

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from circuits_llm.constraints.spec import Constraint, ConstraintError
+from circuits_llm.constraints.errors import ConstraintError
+from circuits_llm.constraints.spec import Constraint
 from circuits_llm.constraints.vocabulary import TokenizerVocabulary, build_vocabulary
 from circuits_llm.text.tokens import tokenizer_fingerprint
 

@@ -14,15 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from circuits_llm.constraints.errors import ConstraintError
+from circuits_llm.constraints.schema_support import prepare_schema
+
 #: The recursion depth ``outlines-core`` unrolls recursive JSON schemas to (its own default).
 DEFAULT_MAX_RECURSION_DEPTH = 3
-
-
-class ConstraintError(ValueError):
-    """A constraint that is malformed, cannot be completed with a tokenizer, or a token it forbids.
-
-    The message says what was wrong and what to do about it.
-    """
 
 
 def _check_optional_pattern(value: object, name: str) -> None:
@@ -39,6 +35,10 @@ class Regex:
     Attributes:
         pattern: the regular expression, anchored at both ends by construction (the automaton
             accepts a generation only when all of its text matches).
+
+    Alternation is leftmost-first, as ``outlines-core`` compiles it: once an earlier branch of a
+    ``|`` has matched the whole text, later branches are not followed, so ``1|12`` allows only
+    ``1``. List a branch before the branches that are its prefixes: ``12|1``.
     """
 
     pattern: str
@@ -62,7 +62,12 @@ class Regex:
 
 @dataclass(frozen=True, init=False)
 class JsonSchema:
-    """Generations that are JSON documents valid under ``schema`` (as ``outlines-core`` reads it).
+    """Generations that are JSON documents valid under ``schema``.
+
+    ``outlines-core`` translates the schema into a regex; keywords its translation would drop
+    although they constrain the document are refused when the constraint is made (one
+    :class:`ConstraintError` listing them), except integer bounds, which are encoded. See
+    :mod:`circuits_llm.constraints.schema_support`.
 
     Attributes:
         schema: the schema, given as JSON text or as a mapping; stored as compact JSON text
@@ -82,6 +87,7 @@ class JsonSchema:
     def __init__(self, schema: str | Mapping[str, Any], whitespace_pattern: str | None = None,
                  max_recursion_depth: int = DEFAULT_MAX_RECURSION_DEPTH) -> None:
         object.__setattr__(self, "schema", _canonical_schema(schema))
+        prepare_schema(json.loads(self.schema))  # refuse what the regex could not enforce, now
         _check_optional_pattern(whitespace_pattern, "JsonSchema whitespace_pattern")
         object.__setattr__(self, "whitespace_pattern", whitespace_pattern)
         if isinstance(max_recursion_depth, bool) or not isinstance(max_recursion_depth, int) \
@@ -93,12 +99,18 @@ class JsonSchema:
     def regex(self) -> str:
         """The regular expression of the schema's documents (``outlines-core``'s translation).
 
+        Integer ``minimum`` / ``maximum`` bounds, which ``outlines-core`` drops, are spliced in
+        (:mod:`circuits_llm.constraints.schema_support`), so every match validates.
+
         Raises:
             ConstraintError: the schema uses something ``outlines-core`` does not support.
         """
         from outlines_core.json_schema import build_regex_from_schema
+        prepared = prepare_schema(json.loads(self.schema))
+        text = json.dumps(prepared.schema, separators=(",", ":"), ensure_ascii=False)
         try:
-            return build_regex_from_schema(self.schema, self.whitespace_pattern, self.max_recursion_depth)
+            return prepared.apply(build_regex_from_schema(text, self.whitespace_pattern,
+                                                          self.max_recursion_depth))
         except ValueError as error:
             raise ConstraintError(
                 f"JSON schema {_shorten(self.schema)} cannot be turned into a regular expression: "

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from circuits_llm.constraints.spec import ConstraintError
+from circuits_llm.constraints.errors import ConstraintError
 from circuits_llm.text.tokens import tokenizer_fingerprint
 
 #: The SentencePiece spelling of a space.
