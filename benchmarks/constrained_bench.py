@@ -44,7 +44,12 @@ import jsonschema
 import torch
 
 from benchmarks.decoder_bench import backbone_timings
-from circuits_llm.app.demo import ComparisonConfig, resolve_model, training_config
+from circuits_llm.app.demo import (
+    ComparisonConfig,
+    pack_for_verify_blocks,
+    resolve_model,
+    training_config,
+)
 from circuits_llm.app.head_cache import default_cache_dir, obtain_head
 from circuits_llm.constraints import JsonSchema, TokenAutomaton, clear_cache
 from circuits_llm.decoding.constrained import ConstrainedDrafting
@@ -157,11 +162,18 @@ def _arm_record(results: list[DecodeResult], texts: list[str], valid: list[bool]
     }
 
 
-def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] = print
-                  ) -> dict[str, Any]:
-    """Every arm on every schema's prompts, greedy and sampling; the JSON-ready record."""
+def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] = print,
+                  packed_linear: bool = True) -> dict[str, Any]:
+    """Every arm on every schema's prompts, greedy and sampling; the JSON-ready record.
+
+    ``packed_linear``: the model's linear weights packed with MKL for verify blocks, as
+    ``circuits-llm demo`` does (every arm, constrained AR included, shares the model).
+    """
     torch.manual_seed(0)
     loaded = load_model(resolve_model("smollm2"), torch.device("cpu"))
+    linear = pack_for_verify_blocks(loaded.model, ComparisonConfig.demo().window, torch.device("cpu")) \
+        if packed_linear else "linear layers: torch's default kernels (--plain-linear)"
+    log(linear)
     tokenizer = loaded.tokenizer
     cache = default_cache_dir()
     heads = {name: obtain_head(loaded, training_config(ComparisonConfig.demo(False), name), cache,
@@ -229,6 +241,7 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
     return {
         "benchmark": "constrained_bench", "machine": machine_info(torch.device("cpu")),
         "config": {"quick": quick, "max_new_tokens": max_new_tokens, "window": window,
+                   "linear": linear,
                    "schemas": list(schemas), "prompts_per_schema": len(next(iter(prompts.values())))},
         "automaton_builds": builds, "backbone_ms": {k: 1e3 * v for k, v in timings.items()},
         "arms": arms, "greedy_equal_to_ar": greedy_equal,
@@ -265,22 +278,27 @@ def format_table(record: dict[str, Any]) -> str:
 
 
 def benchmark_arguments(argv: list[str] | None, description: str | None,
-                        default_out: Path) -> argparse.Namespace:
+                        default_out: Path, linear_flag: bool = False) -> argparse.Namespace:
     """The command line the constrained benchmarks share (``--quick``, ``--max-new-tokens``,
-    ``--threads``, ``--out``), parsed; torch's thread count is set from it."""
+    ``--threads``, ``--out``; ``--plain-linear`` with ``linear_flag``), parsed; torch's thread
+    count is set from it."""
     parser = argparse.ArgumentParser(description=(description or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one schema, one prompt")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=default_out)
+    if linear_flag:
+        parser.add_argument("--plain-linear", action="store_true",
+                            help="keep torch's default linear kernels (no MKL packing for verify "
+                                 "blocks)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = benchmark_arguments(argv, __doc__, DEFAULT_OUT)
-    record = run_benchmark(args.quick, args.max_new_tokens)
+    args = benchmark_arguments(argv, __doc__, DEFAULT_OUT, linear_flag=True)
+    record = run_benchmark(args.quick, args.max_new_tokens, packed_linear=not args.plain_linear)
     publish(format_table(record), record, args.out)
     bad = [key for key, arm in record["arms"].items() if arm["valid"] != arm["outputs"]]
     return 1 if bad or not all(record["greedy_equal_to_ar"].values()) else 0

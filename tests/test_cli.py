@@ -69,6 +69,8 @@ def test_demo_writes_a_valid_report(demo_run: dict) -> None:
                                           "decoders": ["autoregressive", "btree", "ff"]}
     assert {h: r["cached"] for h, r in result["heads"].items()} == {"ff": False, "btree": False}
     assert result["config"]["draft_confidence"] == 0.3
+    # linear weights packed for the verify blocks; the greedy check above ran on them
+    assert result["config"]["packed_linear"] is True
     assert result["config"]["token_input"] == ["ff", "btree"]  # both heads read the token
     assert result["heads"]["ff"]["training_config"]["token_input"] is True
     assert result["heads"]["btree"]["training_config"]["token_input"] is True
@@ -429,6 +431,8 @@ def test_demo_drafting_options_parse_and_are_checked(capsys: pytest.CaptureFixtu
         == (0.1, 0.5)
     assert comparison_config(parser.parse_args(["demo", "--lookup", "none"]), base).lookup is None
     assert comparison_config(parser.parse_args(["demo", "--compile-rounds"]), base).compile_rounds
+    assert base.packed_linear
+    assert not comparison_config(parser.parse_args(["demo", "--plain-linear"]), base).packed_linear
     for bad in ("0.5,x", "1.5"):
         with pytest.raises(SystemExit):
             parser.parse_args(["demo", "--lookup", bad])

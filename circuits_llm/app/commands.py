@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from circuits_llm.app.demo import ComparisonConfig, DemoError, run_comparison, training_config
+from circuits_llm.app.demo import (
+    ComparisonConfig,
+    DemoError,
+    pack_for_verify_blocks,
+    run_comparison,
+    training_config,
+)
 from circuits_llm.app.head_cache import default_cache_dir, find_cached_head
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
 from circuits_llm.text.chat_requests import PromptSet
@@ -184,6 +190,9 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--prompt-bytes", type=_positive_int)
     tuning.add_argument("--new-tokens", type=_positive_int, help="bytes generated per prompt")
     tuning.add_argument("--temperature", type=_positive_float, help="of the sampling mode (1.0)")
+    tuning.add_argument("--plain-linear", action="store_true",
+                        help="keep torch's default linear kernels on a CPU (by default the "
+                             "weights are packed with MKL for verify blocks)")
 
 
 def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
@@ -198,6 +207,8 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
         changes["draft_confidence"] = None
     if changes.get("lookup") == ():
         changes["lookup"] = None
+    if args.plain_linear:
+        changes["packed_linear"] = False
     config = replace(base, seed=args.seed, compile=base.compile or args.compile,
                      compile_rounds=base.compile_rounds or args.compile_rounds, **changes)
     if config.window < 2:
@@ -225,9 +236,11 @@ def _run_comparison(command: str, base: Callable[[bool], ComparisonConfig]
 
 # ---------------------------------------------------------------------------- generate
 def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
-                 lookup: tuple[float, ...] = ()) -> tuple[Any, str]:
+                 lookup: tuple[float, ...] = (), packed: bool = False) -> tuple[Any, str]:
     """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
-    of the context into the drafts with ``lookup``'s weights), and a description of it."""
+    of the context into the drafts with ``lookup``'s weights; a speculative decoder on a CPU
+    with ``packed``: the model's linear weights packed for its verify blocks), and a
+    description of it."""
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     if head.lower() in AUTOREGRESSIVE_NAMES:
@@ -249,6 +262,10 @@ def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
             raise DemoError(f"--head {head}: expected one of {', '.join(TRAINED_NAMES)}, "
                             f"{', '.join(AUTOREGRESSIVE_NAMES)} or a trained head directory")
     from circuits_llm.training import load_trained_head
+    if packed:
+        from circuits_llm.training.results import RECORD_FILE, read_record, record_config
+        window = record_config(read_record(run_dir), run_dir / RECORD_FILE).window
+        pack_for_verify_blocks(loaded.model, window, loaded.model.device)
     mtp_head, backbone = load_trained_head(run_dir, loaded.model, compile=compile)
     from circuits_llm.decoding.lookup import ContextLookup
     copy = ContextLookup(lookup) if lookup else None
@@ -281,7 +298,7 @@ def _generate(args: argparse.Namespace) -> int:
     stop = StopCondition.for_model(loaded.model, args.max_new_tokens,
                                    [unescape_stop(s) for s in args.stop], tokenizer)
     decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
-                                        args.compile, args.lookup)
+                                        args.compile, args.lookup, packed=not args.plain_linear)
     constraint = _constraint(args)
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
@@ -332,6 +349,9 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     gen.add_argument("--compile", action="store_true",
                      help="static KV cache, compiled forwards and a compiled round (torch.compile)")
+    gen.add_argument("--plain-linear", action="store_true",
+                     help="keep torch's default linear kernels on a CPU (by default a head's "
+                          "decoder packs the weights with MKL for its verify blocks)")
     gen.add_argument("--lookup", type=_lookup_weights, default=(), metavar="WEIGHTS",
                      help="mix a copy of the context's last repeated n-gram's continuation into "
                           "the head's drafts, with these weights per n-gram length (exact; e.g. "
