@@ -8,6 +8,9 @@ gives the tokens the unpacked model gives.
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +59,27 @@ def test_a_changed_weight_is_repacked_and_gradients_take_the_plain_path() -> Non
     assert packed.weight.grad is not None and x.grad is not None
 
 
+def test_a_packed_layer_deep_copies_and_pickles() -> None:
+    """The packed copy is an opaque MKL tensor: copies drop it and pack again when used (the
+    LoRA draft branch deep-copies the last layers of a model that may already be packed)."""
+    torch.manual_seed(3)
+    packed = PackedLinear(nn.Linear(16, 24), rows=8)
+    x = torch.randn(6, 16)
+    with torch.no_grad():
+        expected = packed(x)
+        for twin in (copy.deepcopy(packed), torch.load(_pickled(packed), weights_only=False)):
+            assert twin._packed is None
+            torch.testing.assert_close(twin(x), expected, rtol=1e-5, atol=1e-5)
+            assert twin._packed is not None
+
+
+def _pickled(module: nn.Module) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return buffer
+
+
 def test_pack_linear_layers_keeps_parameters_ties_and_state_dict() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -83,6 +107,9 @@ def test_pack_linear_layers_keeps_parameters_ties_and_state_dict() -> None:
     plain = AutoregressiveDecoder(HFBackbone(reference)).generate(ids[0, :5], 30).tokens
     drafted = SpeculativeDecoder(HFBackbone(model), head).generate(ids[0, :5], 30).tokens
     assert torch.equal(plain, drafted)
+    # the LoRA draft branch deep-copies the last layers of the packed model and wraps them
+    lora = SpeculativeDecoder(HFBackbone(model, lora_layers=1), head).generate(ids[0, :5], 30).tokens
+    assert lora.shape == drafted.shape
     assert pack_linear_layers(model, rows=8) == 0  # already packed: nothing left to swap
     assert pack_linear_layers(reference, rows=3) == 0  # blocks too small to gain
 

@@ -63,6 +63,13 @@ class PackedLinear(nn.Linear):
         self._packed: Tensor | None = None
         self._packed_from: tuple[int, int] | None = None
 
+    def __getstate__(self) -> dict[str, object]:
+        """The module's state without the packed copy (an opaque MKL tensor that cannot be copied
+        or pickled): a deep copy or an unpickled module packs again on its first packed call."""
+        state = self.__dict__.copy()
+        state["_packed"], state["_packed_from"] = None, None
+        return state
+
     def _weight_key(self) -> tuple[int, int]:
         """Identifies the weight's current values: its storage and its in-place version counter."""
         return self.weight.data_ptr(), self.weight._version
