@@ -20,6 +20,7 @@ from circuits_llm.backbone.packed_linear import (
     PackedLinear,
     linear_packing_available,
     pack_linear_layers,
+    repack_linear_layers,
 )
 
 pytestmark = pytest.mark.skipif(not linear_packing_available(),
@@ -54,6 +55,10 @@ def test_a_changed_weight_is_repacked_and_gradients_take_the_plain_path() -> Non
                                    rtol=1e-5, atol=1e-5)
         packed.load_state_dict({"weight": torch.zeros(24, 16), "bias": torch.ones(24)})
         torch.testing.assert_close(packed(x), torch.ones(3, 24))
+        # an edit through .data escapes the version counter: repack_linear_layers makes it seen
+        packed.weight.data.add_(1.0)
+        assert repack_linear_layers(nn.Sequential(packed)) == 1
+        torch.testing.assert_close(packed(x), 1 + x.sum(-1, keepdim=True).expand(3, 24))
     y = packed(x.requires_grad_())  # needs gradients: F.linear, which has a backward
     y.sum().backward()
     assert packed.weight.grad is not None and x.grad is not None

@@ -11,7 +11,7 @@ from circuits_llm.backbone._adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, A
 from circuits_llm.backbone._arch import UnsupportedModelError
 from circuits_llm.backbone._static import DEFAULT_MAX_CACHE_LEN, CacheCapacityError, CacheKind
 from circuits_llm.backbone.hf import HFBackbone
-from circuits_llm.backbone.packed_linear import PackedLinear, pack_linear_layers
+from circuits_llm.backbone.packed_linear import PackedLinear, pack_linear_layers, repack_linear_layers
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -24,4 +24,5 @@ __all__ = [
     "PackedLinear",
     "UnsupportedModelError",
     "pack_linear_layers",
+    "repack_linear_layers",
 ]

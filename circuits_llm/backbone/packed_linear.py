@@ -20,7 +20,9 @@ Nothing else changes: the module is an ``nn.Linear`` with the same parameters an
 (the packed copy is not saved); a call that needs gradients, runs under ``torch.compile``, or
 finds that the weight changed since it was packed (its version counter or storage moved, e.g. an
 optimiser step or ``load_state_dict``) runs ``F.linear`` on the live weight and repacks lazily,
-so a stale packed copy is never used. The outputs equal ``F.linear``'s up to float32 rounding
+so a stale packed copy is never used. One kind of edit escapes both checks: an in-place change
+through ``weight.data`` (``.data`` has a version counter of its own); after such edits call
+:func:`repack_linear_layers`. The outputs equal ``F.linear``'s up to float32 rounding
 (the two kernels sum in different orders), as the outputs of blocks of different lengths already
 do.
 """
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["PackedLinear", "linear_packing_available", "pack_linear_layers"]
+__all__ = ["PackedLinear", "linear_packing_available", "pack_linear_layers", "repack_linear_layers"]
 
 #: Smallest row count worth the padded packed product (below it ``F.linear`` is as fast:
 #: a 2-token SmolLM2 forward costs 72 ms plain and 77 ms packed, a 4-token one 106 and 96 ms).
@@ -69,6 +71,10 @@ class PackedLinear(nn.Linear):
         state = self.__dict__.copy()
         state["_packed"], state["_packed_from"] = None, None
         return state
+
+    def repack(self) -> None:
+        """Forget the packed copy: the next packed call packs the current weight."""
+        self._packed, self._packed_from = None, None
 
     def _weight_key(self) -> tuple[int, int]:
         """Identifies the weight's current values: its storage and its in-place version counter."""
@@ -139,3 +145,15 @@ def pack_linear_layers(model: nn.Module, rows: int, min_rows: int = DEFAULT_MIN_
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, rows, min_rows))
     return len(targets)
+
+
+def repack_linear_layers(model: nn.Module) -> int:
+    """Make every :class:`PackedLinear` of ``model`` pack its weight again on its next packed call.
+
+    Needed only after in-place edits through ``weight.data``, which the version counter does not
+    see; returns how many layers were reset.
+    """
+    layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    for layer in layers:
+        layer.repack()
+    return len(layers)
