@@ -7,7 +7,7 @@ A :class:`Regex` or :class:`JsonSchema` (:mod:`~circuits_llm.constraints.spec`) 
 :meth:`TokenAutomaton.mask` and restricts the draft circuit to :meth:`TokenAutomaton.window`.
 JSON schemas are first checked against what the regex can enforce, and their integer bounds
 encoded (:mod:`~circuits_llm.constraints.schema_support`). Inside the room the order is
-errors -> integer_range -> schema_support -> spec -> vocabulary -> automaton.
+errors -> numeric_range -> schema_support -> spec -> vocabulary -> automaton.
 """
 
 from circuits_llm.constraints.automaton import TokenAutomaton, WindowTable, clear_cache

@@ -10,15 +10,16 @@ user of ``--json-schema`` must be able to rely on.
 
 :func:`prepare_schema` walks the schema the way ``outlines-core`` will and
 
-* **encodes integer bounds** (``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``
-  on ``"type": "integer"``): the subschema is replaced by a unique placeholder string constant,
-  and :meth:`PreparedSchema.apply` splices the bounded-integer regex of
-  :mod:`circuits_llm.constraints.integer_range` into the translated regex in its place;
+* **encodes numeric bounds** (``minimum``, ``maximum``, ``exclusiveMinimum``,
+  ``exclusiveMaximum``, in any draft's spelling) on ``"type": "integer"`` and, when the bounds
+  are whole numbers, on ``"type": "number"``: the subschema is replaced by a unique placeholder
+  string constant, and :meth:`PreparedSchema.apply` splices the regex of the range
+  (:mod:`circuits_llm.constraints.numeric_range`) into the translated regex in its place;
 * **refuses**, in one :class:`ConstraintError` that lists them all with their JSON pointers, the
-  keywords the translation would drop although they constrain the document (bounds on
-  ``number``, ``multipleOf``, ``uniqueItems``, ``not``, ``if``, overlapping-capable ``oneOf``,
-  an ``allOf`` of several subschemas (which ``outlines-core`` concatenates), ``required``
-  names without a property, ``minLength`` next to ``pattern``, and so on).
+  keywords the translation would drop although they constrain the document (fractional bounds
+  on a ``number``, ``multipleOf``, ``uniqueItems``, ``not``, ``if``, a ``oneOf`` whose branches
+  could overlap, an ``allOf`` of several subschemas (which ``outlines-core`` concatenates),
+  ``required`` names without a property, ``minLength`` next to ``pattern``, and so on).
 
 Dropping a keyword that only *narrows* what is allowed (``additionalProperties``, ``items`` after
 ``prefixItems``, an unanchored ``pattern`` matched in full) is kept, as ``outlines-core`` intends:
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from circuits_llm.constraints.errors import ConstraintError
-from circuits_llm.constraints.integer_range import integer_range_regex
+from circuits_llm.constraints.numeric_range import Bound, integer_range_regex, number_range_regex
 
 #: The keywords ``outlines-core`` dispatches on, in the order it tries them.
 DISPATCH_ORDER = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref", "type")
@@ -61,16 +62,12 @@ CONSTRAINING = frozenset(KEYWORD_TYPES) | {
     "type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref",
     "$dynamicRef", "$recursiveRef"}
 
-INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 #: What to write instead, for the keywords users meet most.
 _ADVICE = {
     "oneOf": "use anyOf when no document can match two of the branches",
     "allOf": "merge the subschemas into one",
-    "minimum": "use \"type\": \"integer\" (its bounds are enforced) or an enum",
-    "maximum": "use \"type\": \"integer\" (its bounds are enforced) or an enum",
-    "exclusiveMinimum": "use \"type\": \"integer\" (its bounds are enforced) or an enum",
-    "exclusiveMaximum": "use \"type\": \"integer\" (its bounds are enforced) or an enum",
     "required": "declare every required name under properties",
 }
 
@@ -80,12 +77,13 @@ class PreparedSchema:
     """A schema ready for ``outlines-core``, and the regexes to splice into its translation.
 
     Attributes:
-        schema: the schema with every bounded-integer subschema replaced by ``{"const": P}``.
-        integer_ranges: ``(P, regex)`` pairs: placeholder string and the bounded-integer regex.
+        schema: the schema with every bounded integer or number subschema replaced by
+            ``{"const": P}``.
+        ranges: ``(P, regex)`` pairs: placeholder string and the regex of the range.
     """
 
     schema: dict[str, Any]
-    integer_ranges: tuple[tuple[str, str], ...]
+    ranges: tuple[tuple[str, str], ...]
 
     def apply(self, regex: str) -> str:
         """``regex`` (the translation of :attr:`schema`) with each placeholder replaced by its range.
@@ -93,17 +91,17 @@ class PreparedSchema:
         ``outlines-core`` spells a string constant as the escaped JSON string, i.e. the placeholder
         in double quotes (placeholders are letters and digits only, which escaping leaves alone).
         """
-        for placeholder, range_regex in self.integer_ranges:
+        for placeholder, range_regex in self.ranges:
             regex = regex.replace(json.dumps(placeholder), range_regex)
         return regex
 
 
 def prepare_schema(schema: dict[str, Any]) -> PreparedSchema:
-    """Check ``schema`` against what the regex can enforce and encode its integer bounds.
+    """Check ``schema`` against what the regex can enforce and encode its numeric bounds.
 
     Raises:
         ConstraintError: the schema uses keywords the regex would not enforce (all are listed,
-            each with its JSON pointer and what to do), or integer bounds no integer meets.
+            each with its JSON pointer and what to do), or bounds no value meets.
     """
     walker = _Walker(json.dumps(schema))
     prepared = walker.visit(schema, "#")
@@ -113,7 +111,7 @@ def prepare_schema(schema: dict[str, Any]) -> PreparedSchema:
             "this JSON schema uses keywords the constraint cannot enforce (outlines-core's "
             "translation drops them), so generations could break the schema:\n" + listed +
             "\nRestate them as advised, or remove them and check those rules after generation")
-    return PreparedSchema(prepared, tuple(walker.integer_ranges))
+    return PreparedSchema(prepared, tuple(walker.ranges))
 
 
 class _Walker:
@@ -122,7 +120,7 @@ class _Walker:
     def __init__(self, schema_text: str) -> None:
         self.schema_text = schema_text
         self.problems: list[str] = []
-        self.integer_ranges: list[tuple[str, str]] = []
+        self.ranges: list[tuple[str, str]] = []
 
     def visit(self, node: Any, path: str) -> Any:
         """The rewritten ``node`` (a subschema at JSON pointer ``path``)."""
@@ -136,8 +134,8 @@ class _Walker:
         branch = next((keyword for keyword in DISPATCH_ORDER if keyword in node), None)
         if branch is None:
             return node  # outlines-core refuses it with its own message
-        if branch == "type" and self._integer_bounds_apply(node):
-            return self._bounded_integer(node, path)
+        if branch == "type" and self._bounds_apply(node):
+            return self._bounded(node, path)
         consumed, emitted = self._branch(node, branch, path)
         self._report_dropped(node, consumed, emitted, path)
         return self._descend(node, branch, path)
@@ -231,46 +229,73 @@ class _Walker:
         return node
 
     @staticmethod
-    def _integer_bounds_apply(node: dict[str, Any]) -> bool:
-        """Whether ``node`` is a typed subschema allowing integers with a bound to encode."""
+    def _bounds_apply(node: dict[str, Any]) -> bool:
+        """Whether ``node`` is a typed subschema allowing numbers with a bound to encode."""
         types = _types(node.get("type"))
-        return types is not None and "integer" in types and any(key in node for key in INTEGER_BOUNDS)
+        return types is not None and bool(types & {"integer", "number"}) \
+            and any(key in node for key in BOUNDS)
 
-    def _bounded_integer(self, node: dict[str, Any], path: str) -> Any:
-        """A bounded-integer subschema as a placeholder constant (other types: an anyOf split)."""
+    def _bounded(self, node: dict[str, Any], path: str) -> Any:
+        """A bounded integer or number subschema as a placeholder constant whose regex is the
+        range's (several types: an anyOf split, one subschema per type)."""
         types = _types(node["type"]) or frozenset()
-        if types != {"integer"}:
+        if len(types) > 1:
             # {"type": ["integer", "null"], "minimum": 0} -> anyOf of one subschema per type
             # (problems are reported at the user's own path, not at an anyOf they never wrote)
             return {"anyOf": [self.visit({**node, "type": name}, path) for name in sorted(types)]}
-        for keyword in ("minDigits", "maxDigits"):
-            if keyword in node:
-                self.problems.append(f"{path}/{keyword} (outlines-core's digit count) cannot be "
-                                     "combined with minimum / maximum; keep one of them")
-        low, high = _integer_bounds(node, path, self.problems)
-        self._report_dropped(node, {"type", *INTEGER_BOUNDS}, frozenset({"integer"}), path)
-        if low is not None and high is not None and low > high:
-            raise ConstraintError(f"{path} allows no integer: its bounds give [{low}, {high}]; fix "
-                                  "its minimum / maximum")
-        range_regex = integer_range_regex(low, high)
+        kind = next(iter(types))
+        digits = [k for k in node if k.startswith(("minDigits", "maxDigits"))]
+        for keyword in digits:
+            self.problems.append(f"{path}/{keyword} (outlines-core's digit count) cannot be "
+                                 "combined with minimum / maximum; keep one of them")
+        low, high = _read_bounds(node, path, self.problems)
+        self._report_dropped(node, {"type", *BOUNDS, *digits}, frozenset({kind}), path)
+        if kind == "integer":
+            low_int = None if low is None else \
+                math.ceil(low[0]) if low[1] else math.floor(low[0]) + 1
+            high_int = None if high is None else \
+                math.floor(high[0]) if high[1] else math.ceil(high[0]) - 1
+            if low_int is not None and high_int is not None and low_int > high_int:
+                raise ConstraintError(f"{path} allows no integer: its bounds give [{low_int}, "
+                                      f"{high_int}]; fix its minimum / maximum")
+            range_regex = integer_range_regex(low_int, high_int)
+        else:
+            fractional = [value for value, _ in filter(None, (low, high)) if not value.is_integer()]
+            if fractional:
+                self.problems.append(
+                    f"{path}: the bound {fractional[0]:g} on a number is not a whole number; "
+                    "number bounds are enforced when they are whole numbers (or use an integer "
+                    "in smaller units, or an enum)")
+                return node
+            lower = None if low is None else Bound(int(low[0]), low[1])
+            upper = None if high is None else Bound(int(high[0]), high[1])
+            if lower is not None and upper is not None and (lower.value > upper.value or (
+                    lower.value == upper.value and not (lower.inclusive and upper.inclusive))):
+                raise ConstraintError(
+                    f"{path} allows no number: its bounds give {'[' if lower.inclusive else '('}"
+                    f"{lower.value}, {upper.value}{']' if upper.inclusive else ')'}; fix its "
+                    "minimum / maximum")
+            range_regex = number_range_regex(lower, upper)
         placeholder = self._placeholder()
-        self.integer_ranges.append((placeholder, range_regex))
+        self.ranges.append((placeholder, range_regex))
         return {"const": placeholder}
 
     def _placeholder(self) -> str:
         """A letters-and-digits string that occurs nowhere in the schema text."""
-        index = len(self.integer_ranges)
+        index = len(self.ranges)
         salt = 0
-        while f"circuitsintegerrange{index}x{salt}" in self.schema_text:
+        while f"circuitsnumericrange{index}x{salt}" in self.schema_text:
             salt += 1
-        return f"circuitsintegerrange{index}x{salt}"
+        return f"circuitsnumericrange{index}x{salt}"
 
 
-def _integer_bounds(node: dict[str, Any], path: str, problems: list[str]) -> tuple[int | None, int | None]:
-    """The integer interval ``[low, high]`` a subschema's bounds allow (None: unbounded)."""
-    low: int | None = None
-    high: int | None = None
+def _read_bounds(node: dict[str, Any], path: str, problems: list[str]
+                 ) -> tuple[tuple[float, bool] | None, tuple[float, bool] | None]:
+    """The tightest lower and upper bounds of a subschema, each ``(value, inclusive)`` or None.
 
+    Reads ``minimum`` / ``maximum`` and ``exclusiveMinimum`` / ``exclusiveMaximum`` as numbers
+    (drafts 6+) or as draft 4's booleans next to ``minimum`` / ``maximum``.
+    """
     def number(keyword: str) -> float | None:
         value = node.get(keyword)
         if value is None or isinstance(value, bool):
@@ -278,20 +303,21 @@ def _integer_bounds(node: dict[str, Any], path: str, problems: list[str]) -> tup
         if not isinstance(value, int | float) or not math.isfinite(value):
             problems.append(f"{path}/{keyword} must be a finite number, got {value!r}")
             return None
-        return value
+        return float(value)
 
-    minimum, maximum = number("minimum"), number("maximum")
-    exclusive_minimum, exclusive_maximum = number("exclusiveMinimum"), number("exclusiveMaximum")
-    if minimum is not None:
-        # draft 4 spells an exclusive bound as "exclusiveMinimum": true next to "minimum"
-        low = math.floor(minimum) + 1 if node.get("exclusiveMinimum") is True else math.ceil(minimum)
-    if exclusive_minimum is not None:
-        low = max(low if low is not None else -math.inf, math.floor(exclusive_minimum) + 1)
-    if maximum is not None:
-        high = math.ceil(maximum) - 1 if node.get("exclusiveMaximum") is True else math.floor(maximum)
-    if exclusive_maximum is not None:
-        high = min(high if high is not None else math.inf, math.ceil(exclusive_maximum) - 1)
-    return (None if low is None else int(low)), (None if high is None else int(high))
+    lows, highs = [], []
+    if (minimum := number("minimum")) is not None:
+        lows.append((minimum, node.get("exclusiveMinimum") is not True))
+    if (exclusive := number("exclusiveMinimum")) is not None:
+        lows.append((exclusive, False))
+    if (maximum := number("maximum")) is not None:
+        highs.append((maximum, node.get("exclusiveMaximum") is not True))
+    if (exclusive := number("exclusiveMaximum")) is not None:
+        highs.append((exclusive, False))
+    # tightest: the largest lower bound (exclusive first on a tie), the smallest upper one
+    low = max(lows, key=lambda bound: (bound[0], not bound[1])) if lows else None
+    high = min(highs, key=lambda bound: (bound[0], bound[1])) if highs else None
+    return low, high
 
 
 def _types(value: object) -> frozenset[str] | None:

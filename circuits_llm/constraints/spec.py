@@ -36,9 +36,13 @@ class Regex:
         pattern: the regular expression, anchored at both ends by construction (the automaton
             accepts a generation only when all of its text matches).
 
-    Alternation is leftmost-first, as ``outlines-core`` compiles it: once an earlier branch of a
-    ``|`` has matched the whole text, later branches are not followed, so ``1|12`` allows only
-    ``1``. List a branch before the branches that are its prefixes: ``12|1``.
+    Matching follows ``outlines-core``'s index, which differs from a plain full match in two
+    ways at the end of the pattern: alternation is leftmost-first (once an earlier branch of a
+    ``|`` has matched the whole text, later branches are not followed: ``1|12`` allows only
+    ``1``; write ``12|1``), and once the text matches, it is continued only through texts that
+    match too (``6(\.3)?`` allows ``6`` but not ``6.3``). Inside a pattern both work as usual
+    (``6(\.3)?;`` allows ``6;`` and ``6.3;``). Every text the automaton allows matches the
+    pattern.
     """
 
     pattern: str
