@@ -167,7 +167,7 @@ def test_bounded_number_automaton_accepts_exactly_the_range(low: Bound | None, h
 def test_a_top_level_bounded_number_is_sound(low: Bound | None, high: Bound | None) -> None:
     """A bare bounded number as the whole document: every accepted text is in range, and every
     integer spelling in range is accepted. (outlines-core does not follow a fraction after a text
-    that already matches at the end of the regex, ``6(\.3)?`` allows ``6`` only; its own
+    that already matches at the end of the regex, ``6(\\.3)?`` allows ``6`` only; its own
     ``{"type": "number"}`` behaves the same, so decimals there are not required.)"""
     tokenizer = byte_level_tokenizer()
     bounds = {("minimum" if low.inclusive else "exclusiveMinimum"): low.value} if low else {}

@@ -40,8 +40,8 @@ class Regex:
     ways at the end of the pattern: alternation is leftmost-first (once an earlier branch of a
     ``|`` has matched the whole text, later branches are not followed: ``1|12`` allows only
     ``1``; write ``12|1``), and once the text matches, it is continued only through texts that
-    match too (``6(\.3)?`` allows ``6`` but not ``6.3``). Inside a pattern both work as usual
-    (``6(\.3)?;`` allows ``6;`` and ``6.3;``). Every text the automaton allows matches the
+    match too (``6(\\.3)?`` allows ``6`` but not ``6.3``). Inside a pattern both work as usual
+    (``6(\\.3)?;`` allows ``6;`` and ``6.3;``). Every text the automaton allows matches the
     pattern.
     """
 
