@@ -124,8 +124,9 @@ def number_range_regex(low: Bound | None, high: Bound | None) -> str:
     if low is not None and high is not None and (
             low.value > high.value or (low.value == high.value
                                        and not (low.inclusive and high.inclusive))):
-        raise ConstraintError(f"no number lies between the bounds {low} and {high}: fix the "
-                              "schema's minimum / maximum")
+        raise ConstraintError(f"no number lies in {'[' if low.inclusive else '('}{low.value}, "
+                              f"{high.value}{']' if high.inclusive else ')'}; fix the schema's "
+                              "minimum / maximum")
     alternatives = []
     # v < 0, v = -m with m > 0: lower bound on m from ``high``, upper bound on m from ``low``
     if low is None or low.value < 0:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,10 +255,7 @@ class _Walker:
                 math.ceil(low[0]) if low[1] else math.floor(low[0]) + 1
             high_int = None if high is None else \
                 math.floor(high[0]) if high[1] else math.ceil(high[0]) - 1
-            if low_int is not None and high_int is not None and low_int > high_int:
-                raise ConstraintError(f"{path} allows no integer: its bounds give [{low_int}, "
-                                      f"{high_int}]; fix its minimum / maximum")
-            range_regex = integer_range_regex(low_int, high_int)
+            range_regex = _at(path, "integer", integer_range_regex, low_int, high_int)
         else:
             fractional = [value for value, _ in filter(None, (low, high)) if not value.is_integer()]
             if fractional:
@@ -269,13 +266,7 @@ class _Walker:
                 return node
             lower = None if low is None else Bound(int(low[0]), low[1])
             upper = None if high is None else Bound(int(high[0]), high[1])
-            if lower is not None and upper is not None and (lower.value > upper.value or (
-                    lower.value == upper.value and not (lower.inclusive and upper.inclusive))):
-                raise ConstraintError(
-                    f"{path} allows no number: its bounds give {'[' if lower.inclusive else '('}"
-                    f"{lower.value}, {upper.value}{']' if upper.inclusive else ')'}; fix its "
-                    "minimum / maximum")
-            range_regex = number_range_regex(lower, upper)
+            range_regex = _at(path, "number", number_range_regex, lower, upper)
         placeholder = self._placeholder()
         self.ranges.append((placeholder, range_regex))
         return {"const": placeholder}
@@ -287,6 +278,14 @@ class _Walker:
         while f"circuitsnumericrange{index}x{salt}" in self.schema_text:
             salt += 1
         return f"circuitsnumericrange{index}x{salt}"
+
+
+def _at(path: str, kind: str, build: Callable[[Any, Any], str], low: Any, high: Any) -> str:
+    """``build(low, high)``, its empty-interval error prefixed with the subschema's pointer."""
+    try:
+        return build(low, high)
+    except ConstraintError as error:
+        raise ConstraintError(f"{path} allows no {kind}: {error}") from None
 
 
 def _read_bounds(node: dict[str, Any], path: str, problems: list[str]
