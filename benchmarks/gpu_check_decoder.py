@@ -57,6 +57,9 @@ from toy import ToyHead, ToyLM, decoder_law, target_law, total_variation
 LAW_VOCAB, LAW_WINDOW, LAW_TOKENS = 3, 3, 3
 LAW_PROMPT = (0, 1)
 LAW_HEADS = (("ff", 1), ("cp", 2), ("hmm", 2), ("btree", 2))
+#: a compressed draft vocabulary without token 1, which ends LAW_PROMPT: the first round drafts
+#: after a stand-in for it (docs/decoder-exactness.md section 1)
+COMPRESSED = (0, 2)
 #: the sampled check's head: seed 5, scale 2 gives the drop-the-correction control a chi-square
 #: divergence of 0.15 from the target (found by enumeration), so the control is rejected for sure
 SAMPLED_HEAD, SAMPLED_SEED, SAMPLED_SCALE = ("btree", 2), 5, 2.0
@@ -79,23 +82,28 @@ class DeviceToyLM(ToyLM):
         return BackboneStep(step.verifier_logits.to(self.device), step.draft_hidden.to(self.device))
 
 
-def toy_pair(settings: Settings, architecture: str, rank: int, seed: int,
-             scale: float = 1.0) -> tuple[DeviceToyLM, ToyHead]:
-    """A toy LM with a draft branch and a float64 toy head on the device."""
+def toy_pair(settings: Settings, architecture: str, rank: int, seed: int, scale: float = 1.0,
+             draft_tokens: tuple[int, ...] | None = None) -> tuple[DeviceToyLM, ToyHead]:
+    """A toy LM with a draft branch and a float64 toy head on the device (``draft_tokens``: a
+    compressed draft vocabulary)."""
     lm = DeviceToyLM(settings.device, vocab_size=LAW_VOCAB, draft_branch=True, seed=seed)
-    head = ToyHead(architecture, LAW_WINDOW, rank, lm.hidden_size, LAW_VOCAB, seed=seed, scale=scale)
+    head = ToyHead(architecture, LAW_WINDOW, rank, lm.hidden_size, LAW_VOCAB, seed=seed, scale=scale,
+                   draft_tokens=draft_tokens)
     return lm, head.to(settings.device)
 
 
 def _enumerated_row(settings: Settings) -> Outcome:
-    """:func:`toy.decoder_law` of every head against the target law; the drop-the-correction law must
-    differ (the check can fail)."""
+    """:func:`toy.decoder_law` of every head against the target law, and of a BTree head whose
+    compressed draft vocabulary lacks the prompt's last token (a stand-in round); the
+    drop-the-correction law must differ (the check can fail)."""
     config = SamplingConfig(1.0)
     values: dict[str, dict[str, float]] = {}
-    for architecture, rank in LAW_HEADS:
-        lm, head = toy_pair(settings, architecture, rank, settings.seed)
+    heads = [(a, r, None) for a, r in LAW_HEADS] + [("btree", 2, COMPRESSED)]
+    for architecture, rank, draft_tokens in heads:
+        lm, head = toy_pair(settings, architecture, rank, settings.seed, draft_tokens=draft_tokens)
         target = target_law(lm, LAW_PROMPT, LAW_TOKENS, config)
-        values[architecture] = {
+        name = architecture if draft_tokens is None else f"{architecture} compressed"
+        values[name] = {
             "tv_exact": total_variation(decoder_law(lm, head, LAW_PROMPT, LAW_TOKENS, config), target),
             "tv_biased_control": total_variation(decoder_law(lm, head, LAW_PROMPT, LAW_TOKENS, config,
                                                            CorrectionPolicy.DROP_AFTER_ACCEPT), target)}
@@ -133,20 +141,25 @@ def _sampled_row(settings: Settings) -> Outcome:
 
 
 def _compiled_row(settings: Settings) -> Outcome:
-    """The compiled decoder emits the eager decoder's tokens for every seed (same uniform tape)."""
+    """The compiled decoder emits the eager decoder's tokens for every seed (same uniform tape),
+    with the whole vocabulary and with a compressed one whose first round drafts after a
+    stand-in."""
     runs, tokens = (6, 10) if settings.quick else (16, 16)
     (architecture, rank) = SAMPLED_HEAD
-    lm, head = toy_pair(settings, architecture, rank, SAMPLED_SEED, SAMPLED_SCALE)
-    eager = SpeculativeDecoder(lm, head)
-    with compiler_scope(settings.compiler):
-        compiled = SpeculativeDecoder(lm, head, compile=True)
     differ = 0
-    for run in range(runs):  # greedy compiled decoding: the greedy rows (real models)
-        outputs = [d.generate(list(LAW_PROMPT), tokens, 1.0, generator=settings.generator(run))
-                   .tokens.tolist() for d in (eager, compiled)]
-        differ += outputs[0] != outputs[1]
-    numbers = (f"{runs} seeds x {tokens} tokens (T=1), compiler "
-               f"{settings.compiler.value}: {differ} outputs differ from eager")
+    for draft_tokens in (None, COMPRESSED):
+        lm, head = toy_pair(settings, architecture, rank, SAMPLED_SEED, SAMPLED_SCALE, draft_tokens)
+        eager = SpeculativeDecoder(lm, head)
+        with compiler_scope(settings.compiler):
+            compiled = SpeculativeDecoder(lm, head, compile=True)
+        for run in range(runs):  # greedy compiled decoding: the greedy rows (real models)
+            outputs = [d.generate(list(LAW_PROMPT), tokens, 1.0, generator=settings.generator(run))
+                       .tokens.tolist() for d in (eager, compiled)]
+            differ += outputs[0] != outputs[1]
+    runs *= 2
+    numbers = (f"{runs} seeds x {tokens} tokens (T=1; half with a compressed draft vocabulary, "
+               f"stand-in rounds), compiler {settings.compiler.value}: {differ} outputs differ "
+               "from eager")
     return Outcome.verdict(differ == 0, numbers, {"runs": runs, "differ": differ},
                            f"{differ} of {runs} compiled outputs differ from eager")
 

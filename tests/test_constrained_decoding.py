@@ -202,9 +202,10 @@ def test_product_drafts_satisfy_the_constraint(architecture: str,
         for c in (1, 2, 3, 4, 0):
             leaves = _product_drafts(drafter, params, c, state, greedy=False)
             assert abs(sum(w for *_, w in leaves) - 1) < 1e-12
-            if c not in inside or state not in drafter.local:  # no draft: an AR round
+            if state not in drafter.local:  # no draft: an AR round
                 assert [leaf[2] for leaf in leaves] == [0]
                 continue
+            # c outside the draft vocabulary drafts too (after a stand-in for X_0)
             for tokens, _, verified, weight in leaves:
                 assert weight > 0
                 walk = state
@@ -215,6 +216,46 @@ def test_product_drafts_satisfy_the_constraint(architecture: str,
                     assert not allowed & inside, (output, c, tokens, verified)
             greedy, = _product_drafts(drafter, params, c, state, greedy=True)
             assert greedy[2] in {leaf[2] for leaf in leaves}
+
+
+def test_product_stand_in_draws_follow_the_enumerated_law() -> None:
+    """After a ``c`` outside the draft vocabulary the product draws ``X_0`` first (a stand-in)
+    and drafts given it. On 4,000 sampled drafts of :meth:`ProductDrafter.draft`, the stand-in
+    is read back from the returned ``q`` (each equals, exactly, the enumerated ``q`` of one
+    stand-in; leaves are told apart by their first conditional, which depends on the stand-in)
+    and the pairs (stand-in, drafts) follow the law :func:`_product_drafts` enumerates, which
+    weighs every stand-in by the product's marginal; the same test rejects the pairs read as one
+    stand-in (a ``q`` that ignores the stand-in drawn)."""
+    model, draft = lm(), head("btree", NO_C)
+    drafter = ProductDrafter(draft, AUTOMATON)
+    state = state_after([])
+    model.reset()
+    hidden = model.extend(torch.tensor([[1, 2]])).draft_hidden[:, -1]
+    c = 0  # outside NO_C
+    assert int(drafter.position[c]) < 0 and state in drafter.local
+    with torch.no_grad():
+        params = draft.circuit.log_parameters(draft(hidden))
+    leaves = _product_drafts(drafter, params, c, state, greedy=False)
+    assert abs(sum(w for *_, w in leaves) - 1) < 1e-12
+    groups: dict[tuple[float, ...], int] = {}
+    law: dict[tuple[int, ...], float] = Counter()
+    for tokens, q, _, weight in leaves:
+        group = groups.setdefault(tuple(q[0].tolist()), len(groups))
+        law[(group, *tokens.tolist())] += weight
+    assert len(groups) == len(NO_C)  # one first conditional per stand-in
+    generator = torch.Generator().manual_seed(3)
+    pairs, ignored = [], []
+    for _ in range(4000):
+        uniforms = torch.rand(drafter.window, generator=generator, dtype=torch.float64)
+        result, _ = drafter.draft(params, c, state, uniforms[:-1], None, None, float(uniforms[-1]))
+        tokens = tuple(result.tokens.tolist())
+        matches = [groups[tuple(q[0].tolist())] for t, q, _, _ in leaves
+                   if tuple(t.tolist()) == tokens and torch.allclose(result.q, q, rtol=0, atol=1e-12)]
+        assert len(matches) == 1, matches
+        pairs.append((matches[0], *tokens))
+        ignored.append((0, *tokens))
+    assert law_p_value(*pooled(pairs, dict(law))) > 1e-3
+    assert law_p_value(*pooled(ignored, dict(law))) < 1e-3
 
 
 # ---------------------------------------------------------------------- greedy = constrained AR

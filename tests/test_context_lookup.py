@@ -38,6 +38,7 @@ from toy_constrained import constrained_decoder_law, constrained_target_law
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from circuits_llm.constraints import Regex, TokenAutomaton
+from circuits_llm.decoding.constrained import ProductDrafter
 from circuits_llm.decoding.decoder import (
     AutoregressiveDecoder,
     ConstrainedDrafting,
@@ -376,6 +377,30 @@ def test_the_copy_mixed_into_the_constraint_product_is_exact(
                                       ConstrainedDrafting.PRODUCT, lookup=lookup)
         want = constrained_target_law(lm, AUTOMATON, prompt, 3, config)
         assert total_variation(law, want) <= EXACT_TV
+
+
+def test_the_product_verifies_past_a_short_copy() -> None:
+    """Drawn one variable at a time, the mixture continues after the copy with the product's own
+    conditionals, so a draft that starts with a one-token copy still verifies the whole window
+    (the joint draw of the head alone stops at the copy's end), and its ``q`` after the copy is
+    the product's conditional given the copied token."""
+    lm = ToyLM(WORDS, seed=1, draft_branch=True)
+    head = ToyHead("btree", 4, 2, 6, WORDS, seed=2)
+    drafter = ProductDrafter(head, AUTOMATON)
+    hidden = lm.extend(torch.tensor([[1, 1]])).draft_hidden[:, -1]
+    with torch.no_grad():
+        params = head.circuit.log_parameters(head(hidden))
+    state = AUTOMATON.advance(AUTOMATON.initial_state, 1)  # after c = "a"
+    component = torch.tensor([2.0, 0.0, 0.0, 1.0, 0.9], dtype=torch.float64)  # copy "b", w 0.9
+    draft, _ = drafter.draft(params, 1, state, None, None, component)
+    assert int(draft.tokens[0]) == 2 and int(draft.length) == head.window - 1
+    rows = drafter.product.draw(params, drafter.table.restart(drafter.local[state]),
+                                torch.tensor([1, 2]), consume_from=1,
+                                uniforms=torch.full((2,), 0.5, dtype=torch.float64))
+    sampled, _ = drafter.draft(params, 1, state, torch.full((3,), 0.5, dtype=torch.float64),
+                               None, component)
+    assert int(sampled.tokens[0]) == 2 and int(sampled.length) == head.window - 1
+    torch.testing.assert_close(sampled.q[1:], rows.conditionals, rtol=0, atol=1e-12)
 
 
 def test_the_copy_in_the_product_verified_with_the_products_conditionals_is_biased() -> None:

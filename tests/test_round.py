@@ -68,6 +68,53 @@ def test_compressed_vocabulary_greedy_is_the_target(compile: bool) -> None:
     assert any(r.accepted > 0 for r in result.rounds)  # drafts from the compressed vocabulary
 
 
+def test_outside_token_drafts_with_a_stand_in_drawn_from_the_head() -> None:
+    """After a ``c`` outside the draft vocabulary the round still drafts: the draft program draws
+    ``X_0`` with the drafts from the head (a stand-in ``s`` for ``c``) and its ``q`` is the
+    conditionals given that stand-in. On 6,000 draws, the stand-in is read back from ``q`` (the
+    one ``s`` whose :meth:`RoundProgram.conditionals` it equals, exactly) and the pairs
+    ``(s, drafts)`` follow the head's joint law ``H(s) H(d | s)`` (chi-square); the same test
+    rejects a program whose ``q`` would ignore the stand-in (every pair read as ``s = 0``)."""
+    lm, head = _compressed("btree", 2, window=3, seed=3)
+    program = RoundProgram(head, SamplingConfig(1.0))
+    hidden = lm.extend(torch.tensor([[0, 2, 3]])).draft_hidden[:, -1]
+    c = 1  # outside DRAFT_TOKENS
+    size = len(DRAFT_TOKENS)
+    drafts = torch.cartesian_prod(*[torch.arange(size)] * (program.window - 1))
+    marginal = [float(v) for v in _stand_in_law(program, hidden, c)]
+    per_stand_in = [program.conditionals(hidden, c, drafts, stand_in=s) for s in range(size)]
+    law = {}
+    for s, q in enumerate(per_stand_in):
+        probs = q.gather(2, drafts[:, :, None])[:, :, 0].prod(1)
+        for i, d in enumerate(drafts):
+            law[(s, *d.tolist())] = marginal[s] * float(probs[i])
+    index = {tuple(d.tolist()): i for i, d in enumerate(drafts)}
+    generator = torch.Generator().manual_seed(0)
+    pairs, ignored = [], []
+    for _ in range(6000):
+        draft = program.draft(hidden, torch.tensor([c]), program.draw_uniforms(generator))
+        assert bool(draft.possible)
+        key = tuple(program.position[draft.tokens].tolist())
+        matches = [s for s, q in enumerate(per_stand_in)
+                   if torch.allclose(draft.q, q[index[key]], rtol=0, atol=1e-12)]
+        assert len(matches) == 1, matches
+        pairs.append((matches[0], *key))
+        ignored.append((0, *key))
+    assert law_p_value(pairs, law) > 1e-4
+    assert law_p_value(ignored, law) < 1e-4
+
+
+def _stand_in_law(program: RoundProgram, hidden: torch.Tensor, c: int) -> torch.Tensor:
+    """The head's marginal of ``X_0`` without the token, from the prefix query."""
+    raw = program.head_parameters(hidden, torch.tensor([c]))
+    size = program.draft_size
+    x = torch.arange(size)[:, None].expand(size, program.window).contiguous()
+    with torch.no_grad():
+        logs = log_prefix_conditionals(program.circuit, x, None,
+                                       {k: v.expand(size, *v.shape[1:]) for k, v in raw.items()})
+    return logs[0, 0].double().exp()
+
+
 def test_program_conditionals_equal_the_prefix_query() -> None:
     lm = ToyLM(VOCAB, seed=4)
     head = ToyHead("hmm", 4, 3, lm.hidden_size, VOCAB, seed=4)

@@ -105,6 +105,24 @@ def test_a_fresh_token_input_leaves_the_head_unchanged(architecture: str) -> Non
     assert reading.num_parameters() - plain.num_parameters() == 8 * (2 * 8 + 3 + 1)
 
 
+def test_a_token_outside_the_categories_reads_as_no_token() -> None:
+    """Category -1 (a verified token outside a compressed draft vocabulary: the round drafts
+    after a stand-in) leaves that row's context unchanged, as a head without the token input
+    would read it, while the other rows still mix their token in."""
+    head = token_head(6, 9)
+    hidden = torch.randn(2, 6, dtype=torch.float64)
+    assert head.token_input is not None
+    with torch.no_grad():
+        mixed = head.token_input(hidden, torch.tensor([-1, 3]))
+        assert torch.equal(mixed[0], hidden[0])
+        assert not torch.allclose(mixed[1], hidden[1])
+        ours = head(hidden, torch.tensor([-1, 3]))
+        head.token_input.out.zero_()
+        without = head(hidden, torch.tensor([0, 0]))
+    for key, value in ours.items():
+        torch.testing.assert_close(value[0], without[key][0], rtol=0, atol=0)
+
+
 def test_token_errors_are_clear() -> None:
     head = token_head(6, 9)
     hidden = torch.randn(2, 6, dtype=torch.float64)

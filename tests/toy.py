@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from circuits.compiled import CompiledCircuit, compile
+from circuits.compiled.queries import log_prefix_conditionals
 from circuits.templates import build
 from circuits_llm.decoding.acceptance import (
     CorrectionPolicy,
@@ -221,7 +222,7 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
     window, vocab, device = head.window, lm.vocab_size, head.circuit.device
     rule = draft_length if isinstance(draft_length, DraftLength) else None
     program = RoundProgram(head, config, draft_length=rule)
-    ids = torch.arange(vocab, device=device) if head.draft_tokens is None else head.draft_tokens
+    ids = torch.arange(vocab, device=device) if head.draft_tokens is None else head.draft_tokens.to(device)
     inside = set(ids.tolist())
     drafts = torch.tensor(list(itertools.product(range(len(ids)), repeat=window - 1)), device=device)
     rounds: dict[tuple[int, ...], Law] = {}
@@ -238,41 +239,43 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
                 outcomes[(y,)] += float(p[y])
         else:
             hidden = lm.extend(torch.tensor([sequence[:-1]])).draft_hidden[:, -1]
-            cuts = torch.full((len(drafts),), window - 1)
-            if c not in inside:  # X_0 = c impossible: every draft is rejected, p_1 decides
-                q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64, device=device)
-                draft_probs = torch.zeros(len(drafts), dtype=torch.float64, device=device)
-                draft_probs[0] = 1.0  # any one draft stands for the round
-            else:
-                compact = program.conditionals(hidden, c, drafts)  # (D, n-1, K)
+            # c outside the draft vocabulary: X_0 is drawn with the drafts and stands in for c
+            branches = [(None, 1.0)] if c in inside else \
+                list(enumerate(stand_in_marginal(program, hidden, c).tolist()))
+            for stand_in, prior in branches:
+                if prior <= 0:
+                    continue
+                cuts = torch.full((len(drafts),), window - 1)
+                compact = program.conditionals(hidden, c, drafts, stand_in=stand_in)  # (D, n-1, K)
                 draft_probs = compact.gather(2, drafts[:, :, None])[:, :, 0].prod(1)
                 if lookup is not None:
                     draft_probs, cuts, component = _copy_mixture(sequence, lookup, ids, vocab,
                                                                  drafts, draft_probs)
                     if mixed_q:
-                        compact = program.conditionals(hidden, c, drafts, component.to(device))
+                        compact = program.conditionals(hidden, c, drafts, component.to(device),
+                                                       stand_in=stand_in)
                 q_all = torch.zeros(len(drafts), window - 1, vocab, dtype=torch.float64, device=device)
                 q_all[:, :, ids] = compact
-            for index, q, weight, cut in zip(drafts, q_all, draft_probs.tolist(), cuts.tolist(),
-                                             strict=True):
-                if weight <= 0:
-                    continue
-                draft = ids[index]
-                lm.crop(len(sequence) - 1)
-                step = lm.extend(torch.cat([torch.tensor([c], device=device), draft])[None])
-                p = target_probs(step.verifier_logits[0], config)
-                if draft_length is None and cut == window - 1:
-                    law = round_law(p, q, draft)
-                    verified = draft
-                else:
-                    compact = usable_conditionals(q[:, ids])  # what the draft program's rule reads
-                    checked = window - 1 if draft_length is None else \
-                        program.draft_length.decide(compact, index) if rule is not None \
-                        else draft_length(compact, index, p)  # type: ignore[operator]
-                    checked = min(int(checked), cut)
-                    law = round_law(p[:checked + 1], q[:checked], draft[:checked])
-                    verified = draft[:checked]
-                add_outcomes(outcomes, law, verified, policy, weight)
+                for index, q, weight, cut in zip(drafts, q_all, (prior * draft_probs).tolist(),
+                                                 cuts.tolist(), strict=True):
+                    if weight <= 0:
+                        continue
+                    draft = ids[index]
+                    lm.crop(len(sequence) - 1)
+                    step = lm.extend(torch.cat([torch.tensor([c], device=device), draft])[None])
+                    p = target_probs(step.verifier_logits[0], config)
+                    if draft_length is None and cut == window - 1:
+                        law = round_law(p, q, draft)
+                        verified = draft
+                    else:
+                        compact_q = usable_conditionals(q[:, ids])  # what the draft program's rule reads
+                        checked = window - 1 if draft_length is None else \
+                            program.draft_length.decide(compact_q, index) if rule is not None \
+                            else draft_length(compact_q, index, p)  # type: ignore[operator]
+                        checked = min(int(checked), cut)
+                        law = round_law(p[:checked + 1], q[:checked], draft[:checked])
+                        verified = draft[:checked]
+                    add_outcomes(outcomes, law, verified, policy, weight)
         rounds[sequence] = dict(outcomes)
         return rounds[sequence]
 
@@ -287,6 +290,20 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
         return result
 
     return dict(continuation(tuple(prompt), length)) if length > 0 else {(): 1.0}
+
+
+def stand_in_marginal(program: RoundProgram, hidden: Tensor, c: int) -> Tensor:
+    """(K,) float64: the head's marginal of ``X_0`` when ``c`` is outside the draft vocabulary
+    (the head reads no token), the law of the stand-in the draft program draws for ``c``;
+    computed with the prefix query, independently of the decoder's top-down pass."""
+    with torch.no_grad():
+        first = torch.tensor([c], device=program.circuit.device)
+        raw = program.head_parameters(hidden, first)
+        size = program.draft_size
+        x = torch.arange(size, device=first.device)[:, None].expand(size, program.window)
+        batch = {k: v.expand(size, *v.shape[1:]) for k, v in raw.items()}
+        marginal = log_prefix_conditionals(program.circuit, x.contiguous(), None, batch)[0, 0]
+    return marginal.double().exp() / marginal.double().exp().sum()
 
 
 def _copy_mixture(sequence: tuple[int, ...], lookup: ContextLookup, ids: Tensor, vocab: int,

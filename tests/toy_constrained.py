@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from toy import Law, ToyHead, ToyLM, add_outcomes
+from toy import Law, ToyHead, ToyLM, add_outcomes, stand_in_marginal
 
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.lookup import (
@@ -108,27 +108,24 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
 
     ``component``: a copy of the context mixed into the product (the decoder's ``lookup``): the
     tree's branches then follow the mixture's conditionals (:func:`mixed_conditionals` of the
-    product's rows along each prefix, the copy cut where the automaton forbids it), and a draft
-    that starts with the whole copy is verified up to its length. ``mixed_q=False``: the accept
+    product's rows along each prefix, the copy cut where the automaton forbids it; drawn one
+    variable at a time, the mixture needs no cut at the copy's end: after it every conditional is
+    the product's own). ``mixed_q=False``: the accept
     test reads the product's own conditionals instead (the negative control)."""
     d = drafter
     n = d.window  # type: ignore[attr-defined]
     size = d.draft_tokens.numel()  # type: ignore[attr-defined]
     index = int(d.position[c])  # type: ignore[attr-defined]
-    if index < 0 or state not in d.local:  # type: ignore[attr-defined]
+    if state not in d.local:  # type: ignore[attr-defined]
         # no draft: the round verifies [c] alone (L = 0), an autoregressive step in law
         return [(torch.zeros(n - 1, dtype=torch.long), torch.zeros(n - 1, size, dtype=torch.float64),
                  0, 1.0)]
+    # c outside the draft vocabulary: X_0 is drawn first (a stand-in), the drafts condition on it
+    lead = 1 if index < 0 else 0
+    observed = torch.tensor([index] if lead == 0 else [], dtype=torch.long)
     start = d.local[state]  # type: ignore[attr-defined]
     automaton = d.table.restart(start)  # type: ignore[attr-defined]
     copy = None if component is None else d.allowed_copy(component, start)  # type: ignore[attr-defined]
-
-    def copy_cut(values: list[int]) -> int:
-        if copy is None:
-            return n - 1
-        count, weight = int(copy[-2]), float(copy[-1])
-        whole = values[:count] == copy[:count].long().tolist()
-        return count if count > 0 and weight > 0 and whole else n - 1
 
     def verified_length(values: list[int]) -> int:
         local, walk = start, []
@@ -142,7 +139,7 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
         tokens = result.tokens.cpu()
         values = [int(d.position[t]) for t in tokens.tolist()]  # type: ignore[attr-defined]
         one_hot = torch.nn.functional.one_hot(torch.tensor(values), size).double()
-        assert int(result.length) == min(verified_length(values), copy_cut(values))
+        assert int(result.length) == verified_length(values)
         return [(tokens, one_hot, int(result.length), 1.0)]
 
     leaves: list[tuple[Tensor, Tensor, int, float]] = []
@@ -153,22 +150,27 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
         def choose(conditional: Tensor) -> int:
             return steer.pop(0) if steer else int(conditional.argmax())
 
-        drawn = d.product.draw(params, automaton, torch.tensor([index]),  # type: ignore[attr-defined]
+        drawn = d.product.draw(params, automaton, observed,  # type: ignore[attr-defined]
                                consume_from=1, choose=choose)
-        assert drawn.length == n - 1
-        rows = drawn.conditionals.cpu()
+        assert drawn.length == n - 1 + lead
+        every = drawn.conditionals.cpu()  # (n - 1 + lead, K): the stand-in's row first
+        rows = every[lead:]
         path = drawn.values[1:].cpu()
         q = rows if copy is None else mixed_conditionals(rows, path, copy)
-        for x in q[len(prefix)].nonzero()[:, 0].tolist():
+        branches = every[0] if lead and not prefix else q[len(prefix) - lead]
+        for x in branches.nonzero()[:, 0].tolist():
             values = [*prefix, x]
-            if len(values) < n - 1:
+            if len(values) < n - 1 + lead:
                 expand(values)
                 continue
-            final = q if copy is None else mixed_conditionals(rows, torch.tensor(values), copy)
-            weight = float(final[torch.arange(n - 1), torch.tensor(values)].prod())
-            leaves.append((d.draft_tokens[torch.tensor(values)],  # type: ignore[attr-defined]
+            drafted = values[lead:]
+            final = q if copy is None else mixed_conditionals(rows, torch.tensor(drafted), copy)
+            weight = float(final[torch.arange(n - 1), torch.tensor(drafted)].prod())
+            if lead:
+                weight *= float(every[0, values[0]])  # the stand-in's probability
+            leaves.append((d.draft_tokens[torch.tensor(drafted)],  # type: ignore[attr-defined]
                            final if mixed_q else rows,
-                           min(verified_length(values), copy_cut(values)), weight))
+                           verified_length(drafted), weight))
 
     expand([])
     return leaves
@@ -217,13 +219,16 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
             if not bool(draft.possible):
                 q = torch.zeros_like(q)
             return [(tokens, q, window - 1, 1.0)]
-        if c not in inside:  # X_0 = c impossible: every draft is rejected, p_1 decides
-            return [(ids[all_drafts[0]], torch.zeros(window - 1, size, dtype=torch.float64),
-                     window - 1, 1.0)]
-        compact = program.conditionals(hidden, c, all_drafts)  # (D, n-1, K)
-        probs = compact.gather(2, all_drafts[:, :, None])[:, :, 0].prod(1)
-        return [(ids[index], q, window - 1, float(w))
-                for index, q, w in zip(all_drafts, compact, probs, strict=True) if w > 0]
+        # c outside the draft vocabulary: every stand-in for X_0, weighted by the head's marginal
+        branches = [(None, 1.0)] if c in inside else \
+            list(enumerate(stand_in_marginal(program, hidden, c).tolist()))
+        leaves = []
+        for stand_in, prior in branches:
+            compact = program.conditionals(hidden, c, all_drafts, stand_in=stand_in)  # (D, n-1, K)
+            probs = prior * compact.gather(2, all_drafts[:, :, None])[:, :, 0].prod(1)
+            leaves += [(ids[index], q, window - 1, float(w))
+                       for index, q, w in zip(all_drafts, compact, probs, strict=True) if w > 0]
+        return leaves
 
     def round_outcomes(sequence: tuple[int, ...]) -> Law:
         if sequence in rounds:

@@ -21,7 +21,8 @@ block is masked by the automaton's state after ``c, d_1..d_{k-1}``, and the usua
   positive, and the round verifies only the drafts before the free part (``L`` is read from the
   drafts, a draft-side quantity, so the law stays exact; see
   :mod:`~circuits_llm.decoding.draft_length`). The verifier's masked residual covers the tokens
-  the head cannot draft.
+  the head cannot draft. After a ``c`` outside the draft vocabulary the product draws ``X_0``
+  first, a stand-in for ``c`` (:class:`StandInFirst`), and the drafts given it.
   **Forced runs past the draft** (jump-forward): when the automaton, after ``c, d_1..d_L``, allows
   one id only (and again after it, ...), those forced tokens ``f_1..f_J`` join the verify block
   ``[c, d_1..d_L, f_1..f_J]``. Under the masked target each has probability 1, so once the ``L``
@@ -47,7 +48,7 @@ import torch
 from torch import Tensor
 
 from circuits.automata import Automaton
-from circuits.compiled.automaton_product import AutomatonProduct
+from circuits.compiled.automaton_product import AutomatonProduct, pick_category
 from circuits_llm.constraints import ConstraintError, JsonSchema, Regex, TokenAutomaton
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import SequentialCopy, unpack
@@ -168,6 +169,24 @@ class ConstraintTracker:
         return out
 
 
+class StandInFirst:
+    """A ``choose`` callback for :meth:`AutomatonProduct.draw` that draws ``X_0`` first, a
+    stand-in for a ``c`` outside the draft vocabulary (inverse CDF at ``uniform``; its argmax
+    when greedy), then hands every draft to ``rest`` (the copy mixture's
+    :class:`~circuits_llm.decoding.lookup.SequentialCopy`)."""
+
+    def __init__(self, uniform: float | None, rest: SequentialCopy) -> None:
+        self.uniform = uniform
+        self.rest = rest
+        self.started = False
+
+    def __call__(self, conditional: Tensor) -> int:
+        if self.started:
+            return self.rest(conditional)
+        self.started = True
+        return pick_category(conditional, self.uniform, None)
+
+
 class ProductDrafter:
     """Drafts from the head's circuit times the automaton over the window (``PRODUCT`` drafting).
 
@@ -211,8 +230,8 @@ class ProductDrafter:
         self.build_seconds = time.perf_counter() - start
 
     def draft(self, params: object, c: int, state: int, uniforms: Tensor | None,
-              rule: DraftLength | None = None, component: Tensor | None = None
-              ) -> tuple[DraftResult, float]:
+              rule: DraftLength | None = None, component: Tensor | None = None,
+              stand_in_uniform: float | None = None) -> tuple[DraftResult, float]:
         """One round's draft after the known token ``c`` from automaton state ``state``.
 
         ``params``: the head's checked parameters for this round; ``uniforms``: (n-1,) float64
@@ -220,9 +239,12 @@ class ProductDrafter:
         draft's conditionals (``None``: verify every draft before the free part); ``component``:
         a copy of the context (:func:`~circuits_llm.decoding.lookup.copy_component`) mixed into
         the product (:class:`~circuits_llm.decoding.lookup.SequentialCopy`; cut here before its
-        first draft the automaton forbids from ``state``). Returns the :class:`DraftResult` the
-        accept program reads (``length``: the drafts before the free part, at most the rule's and
-        the copy's cut) and the seconds it took.
+        first draft the automaton forbids from ``state``); ``stand_in_uniform``: when ``c`` is
+        outside the draft vocabulary, the uniform in [0, 1) that draws ``X_0``'s stand-in from
+        the product's marginal (sampling; greedy: its argmax), on which the drafts and ``q``
+        then condition (:mod:`~circuits_llm.decoding.round`; exact). Returns the
+        :class:`DraftResult` the accept program reads (``length``: the drafts before the free
+        part, at most the rule's) and the seconds it took.
         """
         start = time.perf_counter()
         n, device = self.window, self.device
@@ -230,26 +252,36 @@ class ProductDrafter:
         tokens = torch.zeros(n - 1, dtype=torch.long, device=device)
         q = torch.zeros(n - 1, self.draft_tokens.numel(), dtype=torch.float64, device=device)
         length, self.last_size = 0, 0
-        possible = index >= 0 and state in self.local
+        possible = state in self.local
         if possible:
             automaton = self.table.restart(self.local[state])
             copy = None if component is None else \
                 SequentialCopy(self.allowed_copy(component, self.local[state]), uniforms)
-            drawn = self.product.draw(params, automaton,  # type: ignore[arg-type]
-                                      torch.tensor([index], device=device), consume_from=1,
-                                      uniforms=uniforms if copy is None else None, choose=copy)
+            # c outside the draft vocabulary: X_0 is drawn first, a stand-in for c
+            lead = 1 if index < 0 else 0
+            prefix = torch.tensor([index] if lead == 0 else [], dtype=torch.long, device=device)
+            tape = uniforms
+            if lead and uniforms is not None:
+                if stand_in_uniform is None:
+                    raise DecoderError("a sampled round after a token outside the draft "
+                                       "vocabulary needs stand_in_uniform")
+                tape = torch.cat([uniforms.new_tensor([stand_in_uniform]), uniforms])
+            choose = copy if copy is None or not lead else StandInFirst(
+                None if uniforms is None else stand_in_uniform, copy)
+            drawn = self.product.draw(params, automaton, prefix,  # type: ignore[arg-type]
+                                      consume_from=1, uniforms=tape if choose is None else None,
+                                      choose=choose)
             self.last_size = drawn.size
-            possible = drawn.length > 0
+            drafted = drawn.length - lead
+            possible = drafted > 0
             if possible:
                 values = drawn.values[1:]
                 walk, local = [], self.local[state]
-                for value in values[:drawn.length].tolist():
+                for value in values[:drafted].tolist():
                     local = int(self.table.next_state[local, value])
                     walk.append(local)
-                length = next((k for k, s in enumerate(walk) if s == self.sink), drawn.length)
-                q = drawn.conditionals if copy is None else copy.conditionals().to(device)
-                if copy is not None:  # a draw that starts with the whole copy: at most its length
-                    length = min(length, copy.cut())
+                length = next((k for k, s in enumerate(walk) if s == self.sink), drafted)
+                q = drawn.conditionals[lead:] if copy is None else copy.conditionals().to(device)
                 if rule is not None and rule != DraftLength.fixed():
                     # a draft-side stopping time of the draft: the law stays exact
                     length = min(length, int(rule.decide(q, values)))

@@ -33,8 +33,10 @@ Both decoders stop at the model's end-of-sequence ids by default, as ``model.gen
 (``generation_config.eos_token_id``, else ``config.eos_token_id``, when the backbone is, or wraps,
 a Hugging Face model; :meth:`AutoregressiveDecoder.default_eos_token_ids`).
 
-If the draft gives ``X_0 = c`` probability zero (or ``c`` is outside the draft vocabulary),
-every draft is rejected and ``p_1`` decides: an autoregressive round in law. Invalid head
+If the draft gives ``X_0 = c`` probability zero, every draft is rejected and ``p_1`` decides:
+an autoregressive round in law. A ``c`` outside a compressed draft vocabulary still drafts: the
+head draws a stand-in for ``X_0`` with the drafts and ``q`` conditions on it
+(:mod:`~circuits_llm.decoding.round`; under a constraint's product, the product's stand-in). Invalid head
 outputs or verifier logits raise a :class:`DecoderError` naming the tensor; so does a concurrent
 ``generate`` (not thread-safe).
 
@@ -241,11 +243,14 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT:
             first = torch.tensor([c], device=clock)
             params = head_parameters(self.head.circuit, program.head_parameters(hidden, first))
+            # n uniforms: the drafts', then the stand-in's (used when c is outside the draft
+            # vocabulary)
             draws = None if config.greedy else torch.rand(
-                program.window - 1, generator=generator, dtype=torch.float64, device=clock)
+                program.window, generator=generator, dtype=torch.float64, device=clock)
             drafter = self._drafter(tracker)
-            draft, seconds = drafter.draft(params, c, tracker.state, draws, self.draft_length,
-                                           self._component(program))
+            draft, seconds = drafter.draft(
+                params, c, tracker.state, None if draws is None else draws[:-1], self.draft_length,
+                self._component(program), None if draws is None else float(draws[-1]))
             tracker.pending += seconds
             size = drafter.last_size
             length = int(draft.length)  # type: ignore[arg-type]

@@ -34,8 +34,12 @@ by enumeration on the toy LM, greedy and sampling, eager and compiled, with a co
 vocabulary, and detects the bias of a decoder that forgets the mixture in ``q``.
 
 Under a constraint's head x automaton product, which draws one draft at a time from its exact
-conditionals, :class:`SequentialCopy` draws the same mixture that way (with the product in place
-of the head, the copy cut before its first token the automaton forbids).
+conditionals, :class:`SequentialCopy` draws the mixture that way (with the product in place of
+the head, the copy cut before its first token the automaton forbids). Drawn one variable at a
+time, the copy component continues after its ``m`` tokens with the product's *conditional* given
+them, not its marginal, so past the copy every conditional of the mixture is the product's own
+``h_k`` (the posterior weight of the copy no longer matters there) and the round may verify the
+whole window: no cut at ``m``.
 
 The index is incremental (:class:`LookupIndex`): each emitted token updates one dictionary entry
 per n-gram length, and a proposal is ``max_ngram`` dictionary reads: host work of microseconds
@@ -219,6 +223,10 @@ class SequentialCopy:
     of the mixture's conditional ``q_k`` (:func:`mixed_conditionals`, the same function the round
     program uses) at the round's uniform (inverse CDF), else the argmax of ``h_k``.
 
+    The law drawn is ``w C + (1 - w) H`` with ``C = [d_{<=m} = s] H(d_{>m} | d_{<=m})``: after
+    the copy's ``m`` tokens each conditional is the drafter's own, so every position of the
+    window may be verified (no cut at ``m``; module docstring).
+
     Args:
         component: (n+1,) float64 from :func:`copy_component`, its proposal already cut to
             drafts the drafter can make.
@@ -258,11 +266,3 @@ class SequentialCopy:
         out = torch.zeros(self.drafts, self.rows.shape[1], dtype=torch.float64)
         out[:len(self.path)] = self.mixed(self.rows, self.path)
         return out
-
-    def cut(self) -> int:
-        """The most drafts the round may verify: ``m`` when the draw starts with the whole copy,
-        else ``n - 1``."""
-        proposal, m, weight = unpack(self.component)
-        count = int(m)
-        whole = self.path[:count] == proposal[:count].tolist()
-        return count if count > 0 and weight > 0 and whole else self.drafts

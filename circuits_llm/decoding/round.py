@@ -37,9 +37,13 @@ Randomness comes from the caller's ``torch.Generator`` as one tape of float64 un
 (:class:`UniformTape`), drawn before the programs run: compiled code never holds a generator,
 and eager and compiled programs draw the same tokens from the same tape.
 
-Impossible evidence (the head gives ``X_0 = c`` probability zero, or ``c`` is outside a
-compressed draft vocabulary) needs no branch either: ``q`` becomes ``0``, so every draft is
-rejected and the residual is ``p_1`` itself, the autoregressive law.
+Impossible evidence (the head gives ``X_0 = c`` probability zero) needs no branch either: ``q``
+becomes ``0``, so every draft is rejected and the residual is ``p_1`` itself, the autoregressive
+law. A ``c`` outside a compressed draft vocabulary is not impossible evidence: ``X_0`` is left
+unobserved, the top-down pass draws a *stand-in* for it with the drafts, and ``q`` conditions on
+that draw (a token-reading head reads "no token", category -1). The stand-in is draft-side
+randomness fixed before the verifier is read, so the round stays exact; it only changes which
+law the drafts come from.
 """
 
 from __future__ import annotations
@@ -253,34 +257,39 @@ class RoundProgram:
     def head_parameters(self, hidden: Tensor, c: Tensor) -> dict[str, Tensor]:
         """The head's raw parameters for ``hidden`` (1, d) after the verified token ``c`` (1,)
         model id (:func:`~circuits_llm.protocols.draft_parameters`: a head that reads the token
-        gets ``c``'s draft-vocabulary index, clamped to 0 outside it, where the round drafts
-        nothing)."""
+        gets ``c``'s draft-vocabulary index, -1 outside it: a token the head has no row for)."""
         if self.position is None:
             return draft_parameters(self.head, hidden, c)
-        return draft_parameters(self.head, hidden, self.position[c].clamp(min=0))
+        return draft_parameters(self.head, hidden, self.position[c])
 
     def _evidence(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``x`` (1, n) with ``X_0`` = c's draft index, the mask of ``X_0``, and () bool: ``c`` is in
-        the draft vocabulary."""
+        """``x`` (1, n) with ``X_0`` = c's draft index, the mask of what is observed, and () bool:
+        ``c`` is in the draft vocabulary.
+
+        A ``c`` outside a compressed draft vocabulary leaves ``X_0`` unobserved: the top-down
+        pass then draws it with the drafts (its argmax completion when greedy), and that draw
+        stands in for ``c`` in the conditionals ``q`` (the *stand-in*; exact, see
+        :mod:`~circuits_llm.decoding.decoder`)."""
         n = self.window
         index = c if self.position is None else self.position[c]
         inside = (index >= 0).all()
         x = torch.nn.functional.pad(index.clamp(min=0)[None, :], (0, n - 1))
-        observed = torch.arange(n, device=c.device)[None, :] == 0
+        observed = (torch.arange(n, device=c.device)[None, :] == 0) & inside
         return x, observed, inside
 
     def _sample_window(self, raw: dict[str, Tensor], c: Tensor,
-                       chooser: GumbelChooser | None) -> tuple[Tensor, Tensor, Tensor, object]:
+                       chooser: GumbelChooser | None) -> tuple[Tensor, Tensor, object]:
         """The conditioned bottom-up pass and the top-down completion: ``(state (1, n) in
-        draft-vocabulary indices, log q(X_0 = c) (1,), inside (), prepared)``."""
+        draft-vocabulary indices (``X_0``: c's index, or the stand-in drawn for a c outside the
+        draft vocabulary), log q(X_0 = c) (1,) (log Z for a stand-in), prepared)``."""
         circuit = self.circuit
         prepared = circuit.resolve_params(raw, None, check=False)
-        x, observed, inside = self._evidence(c)
+        x, observed, _ = self._evidence(c)
         trace = Trace()
         semiring = Semiring.SUM if chooser is not None else Semiring.MAX
         value = circuit.evaluate(x, observed, prepared, semiring=semiring, trace=trace)
         state = descend(circuit, trace, x, observed, chooser if chooser is not None else argmax_chooser)
-        return state, value, inside, prepared
+        return state, value, prepared
 
     @staticmethod
     def _result(block: Tensor, q: Tensor | None, flags: Tensor, length: Tensor) -> DraftResult:
@@ -308,7 +317,7 @@ class RoundProgram:
         raw = self.head_parameters(hidden, c)
         head_ok = torch.stack([_usable(v) for v in raw.values()]).all()
         chooser = None if uniforms is None else UniformTape(uniforms)
-        state, value, inside, prepared = self._sample_window(raw, c, chooser)
+        state, value, prepared = self._sample_window(raw, c, chooser)
         drafted, cut = state[0, 1:], None
         if component is not None:
             choose = None if uniforms is None else uniforms[self.tape_length]
@@ -316,7 +325,7 @@ class RoundProgram:
             state = torch.cat([state[:, :1], drafted[None]], 1)
         tokens = drafted if self.draft_tokens is None else self.draft_tokens[drafted]
         block = torch.cat([c, tokens])[None]
-        possible = inside & torch.isfinite(value).all()
+        possible = torch.isfinite(value).all()  # outside the vocabulary: log Z, finite
         flags = torch.stack([head_ok, possible])
         rule = self.draft_length
         if uniforms is None and not rule.needs_conditionals:
@@ -350,17 +359,24 @@ class RoundProgram:
         return picked / picked.sum(-1, keepdim=True)
 
     def conditionals(self, hidden: Tensor, c: int, drafts: Tensor,
-                     component: Tensor | None = None) -> Tensor:
+                     component: Tensor | None = None, stand_in: int | None = None) -> Tensor:
         """The draft's exact conditionals for given drafts, as the draft program computes them
-        (eager): ``hidden`` (1, d), ``c`` a model id in the draft vocabulary, ``drafts``
-        (B, n-1) draft-vocabulary indices, ``component`` a copy component (mixed in when given)
-        -> (B, n-1, K) float64. The exact-law enumeration of the tests weighs every possible
-        draft with the head's and verifies with these."""
+        (eager): ``hidden`` (1, d), ``c`` the verified token's model id, ``drafts`` (B, n-1)
+        draft-vocabulary indices, ``component`` a copy component (mixed in when given),
+        ``stand_in`` the draft-vocabulary index drawn for ``X_0`` when ``c`` is outside the draft
+        vocabulary (required then, refused otherwise) -> (B, n-1, K) float64. The exact-law
+        enumeration of the tests weighs every possible draft with the head's and verifies with
+        these."""
         with torch.no_grad():
             first = torch.tensor([c], device=self.circuit.device)
             prepared = self.circuit.resolve_params(self.head_parameters(hidden, first), None,
                                                    check=False)
-            x, _, _ = self._evidence(first)
+            x, _, inside = self._evidence(first)
+            if bool(inside) == (stand_in is not None):
+                raise DecoderError("pass stand_in (X_0's draw) exactly when c is outside the "
+                                   "draft vocabulary")
+            if stand_in is not None:
+                x = torch.full_like(x, stand_in)
             states = torch.cat([x[:, :1].expand(drafts.shape[0], 1), drafts.to(x.device)], 1)
             q = self._conditionals(prepared, states)
             if component is None:

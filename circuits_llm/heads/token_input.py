@@ -76,10 +76,16 @@ class TokenInput(nn.Module):
         return int(self.embedding.shape[1])
 
     def forward(self, hidden: Tensor, token: Tensor) -> Tensor:
-        """``hidden`` (B, d), ``token`` (B,) long categories in ``[0, C)`` -> (B, d)."""
+        """``hidden`` (B, d), ``token`` (B,) long categories in ``[0, C)`` -> (B, d).
+
+        A category of -1 marks a token the head has no row for (outside a compressed draft
+        vocabulary): that row is returned unchanged, the head's context without the token
+        (fixed shapes, no host read)."""
+        known = token >= 0
         mixed = nnf.linear(_rms(hidden), self.hidden_map, self.bias) \
-            + nnf.linear(_rms(self.embedding[token]), self.token_map)
-        return hidden + nnf.linear(nnf.silu(mixed), self.out)
+            + nnf.linear(_rms(self.embedding[token.clamp(min=0)]), self.token_map)
+        update = nnf.linear(nnf.silu(mixed), self.out)
+        return hidden + torch.where(known[:, None], update, torch.zeros_like(update))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
