@@ -266,8 +266,9 @@ class ProductDrafter:
                     raise DecoderError("a sampled round after a token outside the draft "
                                        "vocabulary needs stand_in_uniform")
                 tape = torch.cat([uniforms.new_tensor([stand_in_uniform]), uniforms])
-            choose = copy if copy is None or not lead else StandInFirst(
-                None if uniforms is None else stand_in_uniform, copy)
+            choose: SequentialCopy | StandInFirst | None = copy
+            if lead and copy is not None:
+                choose = StandInFirst(None if uniforms is None else stand_in_uniform, copy)
             drawn = self.product.draw(params, automaton, prefix,  # type: ignore[arg-type]
                                       consume_from=1, uniforms=tape if choose is None else None,
                                       choose=choose)

@@ -36,7 +36,7 @@ a Hugging Face model; :meth:`AutoregressiveDecoder.default_eos_token_ids`).
 If the draft gives ``X_0 = c`` probability zero, every draft is rejected and ``p_1`` decides:
 an autoregressive round in law. A ``c`` outside a compressed draft vocabulary still drafts: the
 head draws a stand-in for ``X_0`` with the drafts and ``q`` conditions on it
-(:mod:`~circuits_llm.decoding.round`; under a constraint's product, the product's stand-in). Invalid head
+(:mod:`~circuits_llm.decoding.round`; under a constraint, the product draws it). Invalid head
 outputs or verifier logits raise a :class:`DecoderError` naming the tensor; so does a concurrent
 ``generate`` (not thread-safe).
 
