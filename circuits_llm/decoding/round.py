@@ -38,12 +38,9 @@ Randomness comes from the caller's ``torch.Generator`` as one tape of float64 un
 and eager and compiled programs draw the same tokens from the same tape.
 
 Impossible evidence (the head gives ``X_0 = c`` probability zero) needs no branch either: ``q``
-becomes ``0``, so every draft is rejected and the residual is ``p_1`` itself, the autoregressive
-law. A ``c`` outside a compressed draft vocabulary is not impossible evidence: ``X_0`` is left
-unobserved, the top-down pass draws a *stand-in* for it with the drafts, and ``q`` conditions on
-that draw (a token-reading head reads "no token", category -1). The stand-in is draft-side
-randomness fixed before the verifier is read, so the round stays exact; it only changes which
-law the drafts come from.
+becomes ``0``, so every draft is rejected and the residual is ``p_1``, the autoregressive law. A
+``c`` outside a compressed draft vocabulary leaves ``X_0`` unobserved instead: the drafts come
+with a drawn *stand-in* for it, on which ``q`` conditions (exact: docs/decoder-exactness.md §1).
 """
 
 from __future__ import annotations
@@ -264,12 +261,8 @@ class RoundProgram:
 
     def _evidence(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x`` (1, n) with ``X_0`` = c's draft index, the mask of what is observed, and () bool:
-        ``c`` is in the draft vocabulary.
-
-        A ``c`` outside a compressed draft vocabulary leaves ``X_0`` unobserved: the top-down
-        pass then draws it with the drafts (its argmax completion when greedy), and that draw
-        stands in for ``c`` in the conditionals ``q`` (the *stand-in*; exact, see
-        :mod:`~circuits_llm.decoding.decoder`)."""
+        ``c`` is in the draft vocabulary. Outside it ``X_0`` is unobserved: the top-down pass
+        draws it with the drafts (argmax when greedy), a stand-in for ``c`` in ``q``."""
         n = self.window
         index = c if self.position is None else self.position[c]
         inside = (index >= 0).all()
@@ -363,10 +356,8 @@ class RoundProgram:
         """The draft's exact conditionals for given drafts, as the draft program computes them
         (eager): ``hidden`` (1, d), ``c`` the verified token's model id, ``drafts`` (B, n-1)
         draft-vocabulary indices, ``component`` a copy component (mixed in when given),
-        ``stand_in`` the draft-vocabulary index drawn for ``X_0`` when ``c`` is outside the draft
-        vocabulary (required then, refused otherwise) -> (B, n-1, K) float64. The exact-law
-        enumeration of the tests weighs every possible draft with the head's and verifies with
-        these."""
+        ``stand_in`` the index drawn for ``X_0`` (exactly when ``c`` is outside the draft
+        vocabulary) -> (B, n-1, K) float64, what the tests' exact-law enumeration verifies with."""
         with torch.no_grad():
             first = torch.tensor([c], device=self.circuit.device)
             prepared = self.circuit.resolve_params(self.head_parameters(hidden, first), None,
