@@ -68,8 +68,9 @@ class DraftHead(Protocol):
 
     A head may also read the verified token ``c`` (``X_0``): it then has ``reads_token = True``
     and is called ``head(hidden, token)`` with ``token`` (B,) long, ``X_0``'s category (a
-    draft-vocabulary index when it has ``draft_tokens``). Call it through
-    :func:`draft_parameters`, which passes the token only to heads that read it.
+    draft-vocabulary index when it has ``draft_tokens``; -1 for a token outside them, which the
+    head must read as "no token": the round then drafts after a stand-in for it). Call it
+    through :func:`draft_parameters`, which passes the token only to heads that read it.
     """
 
     window: int

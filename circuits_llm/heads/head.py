@@ -329,7 +329,8 @@ class MTPHead(nn.Module):
         logits (``V`` = :attr:`draft_vocab_size`), sum folds ``(B, F, K, D)`` raw weights.
         ``hidden`` is cast to the head's dtype. A head that :attr:`reads_token` needs ``token``
         (B,) long: the category of ``X_0`` (the verified token ``c``; a draft-vocabulary index
-        with a compressed vocabulary); other heads take none.
+        with a compressed vocabulary, -1 for a token outside it: that row reads no token); other
+        heads take none.
         """
         if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
             raise InvalidInputError("hidden must be a floating-point torch.Tensor of shape (B, d)")
