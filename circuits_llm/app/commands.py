@@ -192,7 +192,8 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--temperature", type=_positive_float, help="of the sampling mode (1.0)")
     tuning.add_argument("--plain-linear", action="store_true",
                         help="keep torch's default linear kernels on a CPU (by default the "
-                             "weights are packed with MKL for verify blocks)")
+                             "weights are packed for verify blocks, with the backend measured "
+                             "fastest on this machine: MKL or oneDNN)")
 
 
 def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
@@ -351,7 +352,8 @@ def add_commands(sub: Any) -> None:
                      help="static KV cache, compiled forwards and a compiled round (torch.compile)")
     gen.add_argument("--plain-linear", action="store_true",
                      help="keep torch's default linear kernels on a CPU (by default a head's "
-                          "decoder packs the weights with MKL for its verify blocks)")
+                          "decoder packs the weights for its verify blocks, with the backend "
+                          "measured fastest on this machine: MKL or oneDNN)")
     gen.add_argument("--lookup", type=_lookup_weights, default=(), metavar="WEIGHTS",
                      help="mix a copy of the context's last repeated n-gram's continuation into "
                           "the head's drafts, with these weights per n-gram length (exact; e.g. "

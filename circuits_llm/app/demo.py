@@ -116,11 +116,13 @@ class ComparisonConfig:
             fastest setting; ``compile`` supersedes it.
         compile: decode with static KV caches and compiled forwards and rounds (``torch.compile``)
             for every decoder, the autoregressive baseline included.
-        packed_linear: on a CPU, pack the model's float32 linear weights with MKL for blocks of
-            up to ``window`` rows (:func:`~circuits_llm.backbone.packed_linear.pack_linear_layers`):
-            a verify block of 4..n tokens then costs about 1.5 single-token forwards instead of 2.1
-            on SmolLM2. Every decoder shares the model, so the autoregressive baseline runs on it
-            too (its single-token steps keep torch's default kernel, the faster one for one row).
+        packed_linear: on a CPU, pack the model's float32 linear weights for blocks of up to
+            ``window`` rows with the backend (MKL or oneDNN) and smallest block measured fastest
+            on this machine (:func:`~circuits_llm.backbone.packed_linear.tune_linear_packing`):
+            small verify blocks then cost little more than one token (on SmolLM2 a block of 8 cost
+            2.1 single-token forwards with torch's default kernels). Every decoder shares the
+            model, so the autoregressive baseline runs on it too, with the kernel measured fastest
+            for one row.
     """
 
     heads: tuple[str, ...] = ("ff", "btree")
@@ -238,16 +240,20 @@ def resolve_model(spec: str | Path) -> str | Path:
 
 def pack_for_verify_blocks(model: torch.nn.Module, window: int, device: torch.device) -> str:
     """Pack ``model``'s linear layers for verify blocks of up to ``window`` tokens on a CPU
-    (before any backbone wraps it); returns a line saying what was done."""
-    from circuits_llm.backbone.packed_linear import DEFAULT_MIN_ROWS, pack_linear_layers
+    (before any backbone wraps it), with the backend and smallest block measured fastest on this
+    machine (:func:`~circuits_llm.backbone.packed_linear.tune_linear_packing`); returns a line
+    saying what was done."""
+    from circuits_llm.backbone.packed_linear import pack_linear_layers, tune_linear_packing
+    # measured here (rather than inside pack_linear_layers) to log what was measured
     if device.type != "cpu":
-        return f"linear layers: unchanged on {device.type} (MKL packing is for the CPU)"
-    swapped = pack_linear_layers(model, rows=window)
-    if not swapped:
-        return "linear layers: torch's default kernels (no MKL packed GEMM in this torch, or a " \
-               "window too small to gain)"
-    return (f"linear layers: {swapped} packed with MKL for verify blocks of "
-            f"{DEFAULT_MIN_ROWS}..{window} tokens")
+        return f"linear layers: unchanged on {device.type} (weight packing is for the CPU)"
+    choice = tune_linear_packing(model, window)
+    if choice is None:
+        return "linear layers: torch's default kernels (no packed GEMM in this torch, or none " \
+               "faster than F.linear on this machine)"
+    swapped = pack_linear_layers(model, rows=window, min_rows=choice.min_rows,
+                                 backend=choice.backend)
+    return f"linear layers: {swapped} packed with {choice.describe()}"
 
 
 def _unit(loaded: Any) -> TokenUnit:
@@ -316,8 +322,9 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
     unit = _unit(loaded)
     log(f"model: {loaded.source} ({sum(p.numel() for p in loaded.model.parameters()):,} "
         f"parameters, fingerprint {loaded.fingerprint[:12]}) on {describe_device(device)}")
-    if config.packed_linear:
-        log(pack_for_verify_blocks(loaded.model, config.window, device))
+    linear = pack_for_verify_blocks(loaded.model, config.window, device) \
+        if config.packed_linear else "linear layers: torch's default kernels (--plain-linear)"
+    log(linear)
     try:
         prompts = evaluation_prompts(loaded.tokenizer, config.prompts, config.prompt_bytes) \
             if config.prompt_set is PromptSet.CODE else \
@@ -365,7 +372,9 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
     result = {
         "schema_version": rep.SCHEMA_VERSION, "kind": rep.REPORT_KIND, "command": command,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "model": loaded.describe(), "machine": machine_info(device), "config": asdict(config),
+        "model": loaded.describe(), "config": asdict(config),
+        # the kernels the timings ran on belong with the machine they were measured on
+        "machine": {**machine_info(device), "linear_layers": linear},
         "heads": {h.name: h.record for h in heads}, "rows": [row.to_json() for row in rows],
         "unit": unit.value, "analysis": [item.to_json() for item in analysis],
         "targets": targets, "greedy_identical": identical, "sample": sample, "plot": PLOT_FILE,

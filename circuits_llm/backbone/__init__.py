@@ -3,15 +3,22 @@
 :class:`HFBackbone` wraps any ``transformers`` causal LM (Llama-style, GPT-2-style, ...) as a
 :class:`~circuits_llm.protocols.Backbone`, with an optional LoRA draft branch on the last ``k``
 decoder layers, and an optional static KV cache with a compiled forward (``compile=True``).
-:func:`pack_linear_layers` packs a model's float32 linear weights with MKL (on a CPU) so that a
-verify block of a few tokens costs little more than one token; call it before wrapping the model.
+:func:`pack_linear_layers` packs a model's float32 linear weights with MKL or oneDNN (on a CPU;
+:func:`tune_linear_packing` measures which is faster on the machine) so that a verify block of a
+few tokens costs little more than one token; call it before wrapping the model.
 """
 
 from circuits_llm.backbone._adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterMismatchError
 from circuits_llm.backbone._arch import UnsupportedModelError
 from circuits_llm.backbone._static import DEFAULT_MAX_CACHE_LEN, CacheCapacityError, CacheKind
 from circuits_llm.backbone.hf import HFBackbone
-from circuits_llm.backbone.packed_linear import PackedLinear, pack_linear_layers, repack_linear_layers
+from circuits_llm.backbone.packed_linear import (
+    PackedLinear,
+    PackingBackend,
+    pack_linear_layers,
+    repack_linear_layers,
+    tune_linear_packing,
+)
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -22,7 +29,9 @@ __all__ = [
     "CacheKind",
     "HFBackbone",
     "PackedLinear",
+    "PackingBackend",
     "UnsupportedModelError",
     "pack_linear_layers",
     "repack_linear_layers",
+    "tune_linear_packing",
 ]

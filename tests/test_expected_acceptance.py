@@ -1,0 +1,130 @@
+"""``benchmarks/expected_acceptance.py``: the expected acceptance of a head's first and second
+drafts on fixed text, against the head's joint law enumerated on the toy LM, and the tempered
+head it can measure."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from benchmarks.expected_acceptance import (
+    TemperedHead,
+    collect_positions,
+    expected_acceptance,
+    measure_head,
+    table,
+)
+from circuits.compiled.queries import log_marginal
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.warping import SamplingConfig
+from tests.toy import ToyHead, ToyLM
+
+VOCAB, WINDOW = 5, 3
+
+
+def _joint(head: object, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's normalised joint law over the window, (K,) * WINDOW, by enumeration."""
+    with torch.no_grad():
+        raw = head(hidden)  # type: ignore[operator]
+    k = head.circuit.category_sizes[0]  # type: ignore[attr-defined]
+    x = torch.tensor(list(itertools.product(range(k), repeat=WINDOW)))
+    params = {name: value.expand(x.shape[0], *value.shape[1:]) for name, value in raw.items()}
+    log_p = log_marginal(head.circuit, x, None, params)  # type: ignore[attr-defined]
+    p = log_p.double().exp().view(*([k] * WINDOW))
+    return p / p.sum()
+
+
+def _brute_force(lm: ToyLM, head: object, text: list[int], draft: list[int] | None
+                 ) -> tuple[float, float, int, int]:
+    """alpha1 and beta2 summed over the text by enumeration, with their position counts."""
+    position = None if draft is None else {token: i for i, token in enumerate(draft)}
+    ids = list(range(VOCAB)) if draft is None else draft
+    first = second = 0.0
+    firsts = seconds = 0
+    for t in range(len(text) - 3):
+        c, after = text[t + 1], text[t + 2]
+        cc = c if position is None else position.get(c, -1)
+        if cc < 0:
+            continue
+        hidden = lm.draft_table[lm._context(text[:t + 1])][None]
+        joint = _joint(head, hidden)[cc]  # (K, K): X_1, X_2 given X_0 = c
+        p1 = torch.softmax(lm.next_token_logits(text[:t + 2]), -1)[ids]
+        first += float(torch.minimum(p1, joint.sum(1) / joint.sum()).sum())
+        firsts += 1
+        second_index = after if position is None else position.get(after, -1)
+        if second_index >= 0:
+            q2 = joint[second_index] / joint[second_index].sum()
+            p2 = torch.softmax(lm.next_token_logits(text[:t + 3]), -1)[ids]
+            second += float(torch.minimum(p2, q2).sum())
+            seconds += 1
+    return first, second, firsts, seconds
+
+
+@pytest.mark.parametrize(("architecture", "rank", "draft"),
+                         [("btree", 2, None), ("ff", 1, None), ("hmm", 2, [4, 0, 2])])
+def test_the_measures_equal_the_enumerated_head(architecture: str, rank: int,
+                                                draft: list[int] | None) -> None:
+    lm = ToyLM(vocab_size=VOCAB, hidden_size=4, order=2, seed=3)
+    head = ToyHead(architecture, WINDOW, rank, 4, VOCAB, seed=5, scale=2.0, draft_tokens=draft)
+    generator = torch.Generator().manual_seed(0)
+    texts = [torch.randint(0, VOCAB, (9,), generator=generator) for _ in range(3)]
+    program = RoundProgram(head, SamplingConfig(temperature=1.0))
+    positions, skipped = collect_positions(lm, texts, program)
+    measured = expected_acceptance(program, positions)
+    first = second = 0.0
+    firsts = seconds = 0
+    for text in texts:
+        a, b, n1, n2 = _brute_force(lm, head, text.tolist(), draft)
+        first, second, firsts, seconds = first + a, second + b, firsts + n1, seconds + n2
+    assert measured["positions"] == firsts and measured["positions_beta2"] == seconds
+    assert skipped == sum(len(t) - 3 for t in texts) - firsts
+    assert (skipped > 0) == (draft is not None)
+    assert measured["alpha1"] == pytest.approx(first / firsts, abs=1e-12)
+    assert measured["beta2"] == pytest.approx(second / seconds, abs=1e-12)
+
+
+def test_a_tempered_head_sharpens_or_flattens_its_inputs_only() -> None:
+    head = ToyHead("btree", WINDOW, 2, 4, VOCAB, seed=1, scale=2.0)
+    hidden = torch.randn(1, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    tempered = TemperedHead(head, 0.5)
+    assert tempered.window == WINDOW and tempered.circuit is head.circuit
+    raw, hot = head(hidden), tempered(hidden)
+    inputs = tempered.inputs
+    assert inputs and inputs < set(raw)  # the sum folds are left alone
+    for name in raw:
+        expected = raw[name] / 0.5 if name in inputs else raw[name]
+        assert torch.equal(hot[name], expected)
+    # a sharper draft: the joint's largest probability grows
+    assert _joint(tempered, hidden).max() > _joint(head, hidden).max()
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="draft temperature"):
+            TemperedHead(head, bad)
+
+
+def test_temperatures_share_positions_and_the_table_compares_heads() -> None:
+    lm = ToyLM(vocab_size=VOCAB, hidden_size=4, order=2, seed=3)
+    texts = [torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])]
+    rows = {name: measure_head(ToyHead(name, WINDOW, rank, 4, VOCAB, seed=7), lm, texts, [1.0, 2.0])
+            for name, rank in (("btree", 2), ("ff", 1))}
+    for row in rows.values():
+        assert set(row["by_temperature"]) == {"1", "2"}
+        assert row["by_temperature"]["1"]["alpha1"] != row["by_temperature"]["2"]["alpha1"]
+    lines = table(rows).splitlines()
+    assert len(lines) == 2 + 4
+    assert lines[2].startswith("| btree | 1 | 5 |") and lines[2].endswith("| 1.000 / 1.000 |")
+    ratio = rows["ff"]["by_temperature"]["2"]["alpha1"] / rows["btree"]["by_temperature"]["2"]["alpha1"]
+    assert f"| {ratio:.3f} / " in lines[5]
+
+
+@pytest.mark.parametrize("argv", [["--heads", ""], ["--draft-temperatures", "1,0"],
+                                  ["--draft-temperatures", "-1"]])
+def test_bad_arguments_stop_before_the_model_loads(argv: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.expected_acceptance import main
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert "give --heads" in error or "must all be > 0" in error
