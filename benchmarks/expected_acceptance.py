@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuits.compiled.layers import FoldedInput
+from circuits.compiled import FoldKind
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.protocols import Backbone
@@ -62,11 +62,9 @@ class TemperedHead:
             raise ValueError(f"a draft temperature must be a finite number > 0, got {temperature!r}")
         self.head = head
         self.temperature = float(temperature)
-        circuit = head.circuit
         #: the external parameter names of the circuit's input folds (tempered)
-        self.inputs = frozenset(plan.name for plan, module in zip(circuit.plans, circuit.folds,
-                                                                  strict=True)
-                                if isinstance(module, FoldedInput))
+        self.inputs = frozenset(name for name, spec in head.circuit.parameter_specs().items()
+                                if spec.kind is FoldKind.INPUT)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.head, name)

@@ -226,13 +226,14 @@ def tune_linear_packing(model: nn.Module, rows: int, repeats: int = 4) -> Packin
     if not layers or not backends:
         return None
     sizes = sorted({m for m in (1, 2, 4, rows) if 1 <= m <= rows})
+    widths = {layer.in_features for layer in layers}
     times: dict[str, dict[int, float]] = {"plain": {}}
     with torch.no_grad():
         for backend in backends:
             packed = [PackedLinear(layer, rows, 1, backend) for layer in layers]
             times[backend.value] = {}
             for m in sizes:
-                inputs = {width: torch.randn(m, width) for width in {la.in_features for la in layers}}
+                inputs = {width: torch.randn(m, width) for width in widths}
                 candidates = {backend.value: _pass(packed, inputs, lambda x, la: la(x))}
                 if m not in times["plain"]:
                     candidates["plain"] = _pass(layers, inputs,
