@@ -29,9 +29,12 @@ demo-model:
 demo: install demo-model
 	$(PY) -m circuits_llm demo --model $(DEMO_MODEL) --compile-rounds $(DEMO_ARGS)
 
-# the suite reads the shipped heads against the real SmolLM2 model too (tests/test_head_cache.py)
+# the suite reads the shipped heads against the real SmolLM2 model too (tests/test_head_cache.py).
+# It runs on every core, at most 8 (pytest-xdist; each test process keeps 1 torch thread):
+# PYTEST_WORKERS=0 runs it in one process, e.g. to debug a test.
+PYTEST_WORKERS ?= auto
 test: install-dev demo-model
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --maxprocesses 8
 
 # the suite under the newest Python on this machine, with and without triton (own venv)
 test-newest-python:

@@ -107,11 +107,14 @@ FULL = SpeedSizes(SMOLLM2, 4096, 64, 128, 3, 10)
 QUICK = SpeedSizes(TINY, 256, 16, 32, 1, 3)
 WINDOW, LEAN_RANK = 8, 8
 HEADS: tuple[tuple[Architecture, int], ...] = ((Architecture.FF, 1), (Architecture.BTREE, 16))
-#: the demo's settings, which produced :data:`MEASURED_TOKENS_PER_ROUND`
+#: the demo's settings (heads, token input, copy of the context), which produced
+#: :data:`MEASURED_TOKENS_PER_ROUND` with ``draft_minimum=1``
 DEMO = ComparisonConfig.demo()
 
 #: Tokens per round (``mu_acc``, the ``acc.len`` column) the shipped SmolLM2 heads reached on the
-#: real SmolLM2-135M-Instruct: docs/results.md, section 6, the latest ``make demo`` table (6
+#: real SmolLM2-135M-Instruct: docs/results.md, section 6, the latest ``make demo`` text table
+#: whose rounds all verify at least one draft (``--draft-minimum 1``, the demo's default before a
+#: round could be a plain step: those are no rounds of the forced-draft round timed here) (6
 #: held-out stdlib prompts x 128 tokens, AMD EPYC CPU, compiled rounds over the eager model;
 #: the FF head reads the verified token, every round's draft mixes in a copy of the context
 #: (``ContextLookup((0.1, 0.3, 0.5))``), rounds verify the drafts the draft is 30% confident in).

@@ -8,8 +8,8 @@ What a user needs first, one import away::
     head = cl.MTPHead.from_name("btree", window=8, rank=16, hidden_size=..., vocab_size=...)
     result = cl.SpeculativeDecoder(loaded.model, head).generate(prompt_ids, max_new_tokens=64)
     # exact options: verify only confident drafts; mix a copy of the context into the drafts
-    cl.SpeculativeDecoder(loaded.model, head, draft_length=cl.DraftLength.confident(0.3),
-                          lookup=cl.ContextLookup())
+    cl.SpeculativeDecoder(loaded.model, head, lookup=cl.ContextLookup(),
+                          draft_length=cl.DraftLength.confident(0.3, minimum=0))
 
 The rooms behind this face (docs/architecture.md walks them): :mod:`circuits_llm.heads` (circuit
 heads), :mod:`circuits_llm.backbone` (causal LMs with KV caches), :mod:`circuits_llm.text` (models,

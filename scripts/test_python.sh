@@ -35,12 +35,13 @@ else
 fi
 version=$("$venv_python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
 echo "== test suite under Python $version ($venv_python)"
-make --no-print-directory test PY="$venv_python"
+make --no-print-directory test PY="$venv_python" PYTEST_WORKERS="${PYTEST_WORKERS:-auto}"
 if "$venv_python" -c 'import triton' 2>/dev/null; then
   echo "== the same suite under Python $version without triton"
   "$venv_python" -m pip uninstall "${PIP_QUIET[@]}" --yes triton
   status=0
-  "$venv_python" -m pytest -q -p no:cacheprovider || status=$?
+  "$venv_python" -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" --maxprocesses 8 \
+    || status=$?
   # put it back so the venv matches the test install again
   "$venv_python" -m pip install "${PIP_QUIET[@]}" -c constraints.txt -e ".[dev]"
   exit $status

@@ -68,7 +68,7 @@ def test_demo_writes_a_valid_report(demo_run: dict) -> None:
     assert result["greedy_identical"] == {"all": True, "prompts": 2, "mismatches": [],
                                           "decoders": ["autoregressive", "btree", "ff"]}
     assert {h: r["cached"] for h, r in result["heads"].items()} == {"ff": False, "btree": False}
-    assert result["config"]["draft_confidence"] == 0.3
+    assert result["config"]["draft_confidence"] == 0.3 and result["config"]["draft_minimum"] == 0
     # linear weights packed for the verify blocks; the greedy check above ran on them
     assert result["config"]["packed_linear"] is True
     assert result["machine"]["linear_layers"].startswith("linear layers: ")  # what, and why
@@ -412,6 +412,14 @@ def test_demo_drafting_options_parse_and_are_checked(capsys: pytest.CaptureFixtu
     parser = build_parser()
     base = demo_module.ComparisonConfig.demo()
     assert base.token_input == ("ff", "btree") and base.draft_confidence == 0.3
+    assert base.draft_minimum == 0
+    assert comparison_config(parser.parse_args(["demo", "--draft-minimum", "2"]), base) \
+        .draft_minimum == 2
+    with pytest.raises(demo_module.DemoError, match="--draft-minimum 8 asks for more drafts"):
+        comparison_config(parser.parse_args(["demo", "--draft-minimum", "8"]), base)
+    with pytest.raises(demo_module.DemoError, match="give --draft-confidence TAU > 0 too"):
+        comparison_config(parser.parse_args(["demo", "--draft-minimum", "1",
+                                             "--draft-confidence", "0"]), base)
     args = parser.parse_args(["demo", "--token-input", "ff", "--draft-confidence", "0"])
     config = comparison_config(args, base)
     assert config.token_input == ("ff",) and not demo_module.training_config(config, "btree").token_input

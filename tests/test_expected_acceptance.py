@@ -8,12 +8,19 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from benchmarks.expected_acceptance import (
+    Acceptance,
+    RoundCosts,
     TemperedHead,
     collect_positions,
     expected_acceptance,
+    measure_costs,
     measure_head,
+    position_acceptance,
+    speed_bounds,
     table,
 )
 from circuits.compiled.queries import log_marginal
@@ -116,6 +123,69 @@ def test_temperatures_share_positions_and_the_table_compares_heads() -> None:
     assert lines[2].startswith("| btree | 1 | 5 |") and lines[2].endswith("| 1.000 / 1.000 |")
     ratio = rows["ff"]["by_temperature"]["2"]["alpha1"] / rows["btree"]["by_temperature"]["2"]["alpha1"]
     assert f"| {ratio:.3f} / " in lines[5]
+
+
+def _speed(alpha1: list[float], verified: list[bool], verify: float, skip: float) -> float:
+    tokens = sum(1 + a if v else 1.0 for a, v in zip(alpha1, verified, strict=True))
+    return tokens / sum(verify if v else skip for v in verified)
+
+
+@given(st.lists(st.tuples(st.floats(0, 1), st.sampled_from([0.1, 0.3, 0.5, 0.9])),
+                min_size=1, max_size=8),
+       st.floats(1.0, 3.0), st.floats(0.0, 0.5))
+def test_speed_bounds_equal_brute_force_over_thresholds_and_subsets(
+        rows: list[tuple[float, float]], verify: float, head: float) -> None:
+    alpha1 = [a for a, _ in rows]
+    peak = [q for _, q in rows]
+    beta2 = torch.full((len(rows),), float("nan"), dtype=torch.float64)
+    acceptance = Acceptance(torch.tensor(alpha1, dtype=torch.float64), beta2,
+                            torch.tensor(peak, dtype=torch.float64))
+    bounds = speed_bounds(acceptance, RoundCosts(verify=verify, head=head))
+    every = _speed(alpha1, [True] * len(rows), verify + head, 1.0)
+    assert bounds["always"] == pytest.approx(every, rel=1e-12)
+    # DraftLength.confident(tau, minimum=0) verifies the rounds whose peak is >= tau
+    confident = {tau: _speed(alpha1, [q >= tau for q in peak], verify + head, 1.0 + head)
+                 for tau in [*peak, float("inf")]}
+    assert bounds["confident"] == pytest.approx(max(confident.values()), rel=1e-12)
+    assert confident[bounds["confident_threshold"]] == pytest.approx(bounds["confident"], rel=1e-12)
+    # the oracle is the best of all 2^P choices of rounds to verify (no head where none is)
+    best = max(_speed(alpha1, list(chosen), verify + head, 1.0)
+               for chosen in itertools.product([False, True], repeat=len(rows)))
+    assert bounds["oracle"] == pytest.approx(best, rel=1e-12)
+    assert bounds["oracle"] >= bounds["confident"] - 1e-12 and \
+        bounds["oracle"] >= max(bounds["always"], 1.0) - 1e-12
+    verified = [a >= sorted(alpha1, reverse=True)[round(bounds["oracle_verified"] * len(rows)) - 1]
+                for a in alpha1] if bounds["oracle_verified"] > 0 else [False] * len(rows)
+    assert _speed(alpha1, verified, verify + head, 1.0) == pytest.approx(best, rel=1e-12)
+
+
+def test_speed_bounds_refuse_nothing_and_bad_costs() -> None:
+    empty = torch.zeros(0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="at least one position"):
+        speed_bounds(Acceptance(empty, empty, empty), RoundCosts(verify=1.3, head=0.1))
+    for verify, head in ((0.0, 0.1), (1.3, -0.1), (float("nan"), 0.1)):
+        with pytest.raises(ValueError, match="costs must be"):
+            RoundCosts(verify=verify, head=head)
+
+
+def test_costs_and_bounds_on_the_toy_lm() -> None:
+    lm = ToyLM(vocab_size=VOCAB, hidden_size=4, order=2, seed=3)
+    head = ToyHead("btree", WINDOW, 2, 4, VOCAB, seed=7)
+    text = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    program = RoundProgram(head, SamplingConfig(temperature=1.0))
+    costs = measure_costs(lm, program, text, rounds=3)
+    assert costs.verify > 0 and costs.head > 0
+    assert lm.length == 0 or lm.length == len(text) - 2  # cropped back after every forward
+    row = measure_head(head, lm, [text], [1.0, 2.0], costs)
+    assert row["costs_in_plain_steps"] == {"verify_2": costs.verify, "head": costs.head}
+    positions, _ = collect_positions(lm, [text], program)
+    expected = speed_bounds(position_acceptance(program, positions), costs)
+    assert row["by_temperature"]["1"]["speed_bounds"] == expected
+    assert "speed_bounds" in row["by_temperature"]["2"]
+    lines = table({"btree": row}).splitlines()
+    assert lines[0].endswith("/ oracle (verified) |") and len(lines) == 2 + 2 + 2
+    assert f"{expected['oracle']:.3f}" in lines[2]
+    assert lines[-1].startswith("btree: a verify block of 2 tokens costs")
 
 
 @pytest.mark.parametrize("argv", [["--heads", ""], ["--draft-temperatures", "1,0"],

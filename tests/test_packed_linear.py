@@ -191,6 +191,32 @@ def choice_of(milliseconds: dict[str, dict[int, float]]) -> tuple[PackingBackend
     return choice.backend, choice.min_rows
 
 
+def test_tuning_compares_each_backend_with_f_linear_timed_beside_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine slows down by 1.5x between the two backends' turns: oneDNN, 0.7x F.linear at
+    the same moment, is still chosen (compared with the first turn's F.linear it would look no
+    faster), and the choice's milliseconds are in the first turn's units."""
+    import circuits_llm.backbone.packed_linear as packing
+    from circuits_llm.runtime.timing import Timing
+    if len(BACKENDS) < 2:
+        pytest.skip("needs both packing backends (this torch lacks one)")
+    slowdown = {PackingBackend.MKL.value: 1.0, PackingBackend.ONEDNN.value: 1.5}
+    relative = {PackingBackend.MKL.value: 1.2, PackingBackend.ONEDNN.value: 0.7}
+
+    def fake_interleaved(candidates: dict[str, object], **_: object) -> dict[str, Timing]:
+        backend = next(name for name in candidates if name != "plain")
+        plain = 0.1 * slowdown[backend]
+        return {"plain": Timing([plain]), backend: Timing([plain * relative[backend]])}
+
+    monkeypatch.setattr(packing, "interleaved", fake_interleaved)
+    model = nn.Sequential(nn.Linear(16, 16))
+    choice = tune_linear_packing(model, rows=4, repeats=1)
+    assert choice is not None and choice.backend is PackingBackend.ONEDNN and choice.min_rows == 1
+    assert choice.milliseconds["plain"] == {1: 100.0, 2: 100.0, 4: 100.0}
+    assert choice.milliseconds["onednn"] == pytest.approx({1: 70.0, 2: 70.0, 4: 70.0})
+    assert choice.milliseconds["mkl"] == pytest.approx({1: 120.0, 2: 120.0, 4: 120.0})
+
+
 def test_tune_linear_packing_measures_every_backend_on_the_model() -> None:
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64))

@@ -173,6 +173,9 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--draft-confidence", type=_probability, metavar="TAU",
                         help="verify only the drafts the head is this confident in (exact; "
                              "0: every draft)")
+    tuning.add_argument("--draft-minimum", type=_non_negative_int, metavar="L",
+                        help="with --draft-confidence: verify at least L drafts every round "
+                             "(0: a round unsure of its first draft is a plain step)")
     tuning.add_argument("--lookup", type=_lookup_weights, metavar="WEIGHTS",
                         help="mix a copy of the context's last repeated n-gram's continuation "
                              "into the drafts, with these weights per n-gram length (exact; "
@@ -199,7 +202,7 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
 def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
     """``base`` with every override given on the command line."""
     names = ("window", "rank", "variant", "lora_layers", "token_input", "draft_confidence",
-             "lookup", "train_steps", "train_seconds",
+             "draft_minimum", "lookup", "train_steps", "train_seconds",
              "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_set",
              "prompt_bytes",
              "new_tokens", "temperature")
@@ -220,6 +223,12 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
                         f"train; choose among {', '.join(config.heads)}")
     if config.prompt_bytes < 2:
         raise DemoError(f"--prompt-bytes must be >= 2, got {config.prompt_bytes}")
+    if config.draft_confidence is not None and config.draft_minimum > config.window - 1:
+        raise DemoError(f"--draft-minimum {config.draft_minimum} asks for more drafts than a "
+                        f"window of {config.window} makes ({config.window - 1}); lower it")
+    if args.draft_minimum is not None and config.draft_confidence is None:
+        raise DemoError("--draft-minimum applies to --draft-confidence rounds, and every round "
+                        "verifies the whole window here; give --draft-confidence TAU > 0 too")
     return config
 
 

@@ -82,8 +82,11 @@ class ComparisonConfig:
         token_input: the head architectures (names in ``heads``) whose heads also read the
             verified token's embedding (:class:`~circuits_llm.heads.token_input.TokenInput`).
         draft_confidence: every speculative decoder verifies only the drafts its head is
-            confident in (``DraftLength.confident(draft_confidence)``, exact); None: every round
-            verifies the whole window.
+            confident in (``DraftLength.confident(draft_confidence, minimum=draft_minimum)``,
+            exact); None: every round verifies the whole window.
+        draft_minimum: the fewest drafts a round verifies under ``draft_confidence`` (0: a round
+            whose head is unsure even of its first draft is a plain one-token step, cheaper than a
+            block of 2 where a verify block costs more per token).
         lookup: every speculative decoder mixes a copy of the context into its drafts with these
             weights per matched n-gram length
             (:class:`~circuits_llm.decoding.lookup.ContextLookup`, exact); None: the heads alone.
@@ -132,6 +135,7 @@ class ComparisonConfig:
     lora_layers: int = 0
     token_input: tuple[str, ...] = ()
     draft_confidence: float | None = None
+    draft_minimum: int = 1
     lookup: tuple[float, ...] | None = None
     draft_vocab: int | None = None
     train_steps: int = 5000
@@ -158,12 +162,13 @@ class ComparisonConfig:
         section 10): window 8, BTree rank 16, LEAN heads over a 4,096-token draft vocabulary,
         both heads reading the verified token (docs/results.md section 6), self-distilled
         training data, rounds that verify only the drafts the head is at least 30% confident
-        in (a verify block costs more per token on a CPU), drafts mixed with a copy of the
+        in, none when it is unsure of the first (a verify block costs more per token on a CPU:
+        docs/results.md section 6, "What any draft length can buy"), drafts mixed with a copy of the
         context (``lookup``: SmolLM2 repeats itself, greedy above all), linear weights packed for
         verify blocks on a CPU (``packed_linear``); quick: fewer prompts and tokens,
         and (when no head is cached or shipped) a shorter training."""
         full = cls(window=8, rank=16, draft_vocab=4096, token_input=("ff", "btree"),
-                   draft_confidence=0.3, packed_linear=True,
+                   draft_confidence=0.3, draft_minimum=0, packed_linear=True,
                    lookup=(0.1, 0.3, 0.5), train_seq_len=128, train_batch_size=8,
                    self_distill=True, prompts=6, new_tokens=128)
         if quick:
@@ -274,7 +279,7 @@ def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig) -> dict[s
     from circuits_llm.decoding.draft_length import DraftLength
     from circuits_llm.decoding.lookup import ContextLookup
     rule = None if config.draft_confidence is None else \
-        DraftLength.confident(config.draft_confidence)
+        DraftLength.confident(config.draft_confidence, minimum=config.draft_minimum)
     lookup = None if config.lookup is None else ContextLookup(tuple(config.lookup))
     if not config.compile:
         decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}

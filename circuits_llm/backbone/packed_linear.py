@@ -215,11 +215,15 @@ def tune_linear_packing(model: nn.Module, rows: int, repeats: int = 4) -> Packin
     ``rows`` rows fastest; ``None`` when no backend beats ``F.linear`` (or none is available).
 
     For blocks of 1, 2, 4 and ``rows`` rows (those up to ``rows``), one pass over every layer is
-    timed with ``F.linear`` and with each available backend (best of ``repeats``, the candidates
-    interleaved); a pass streams all the weights, as a forward does, so the times include the
-    memory traffic that dominates small blocks. :func:`choose_packing` then picks the backend and
-    ``min_rows`` with the least total time. About 10 s for SmolLM2-135M on a 2-core machine; the
-    packed copies are dropped afterwards (:func:`pack_linear_layers` packs the winner).
+    timed with each available backend and, in the same interleaved rounds, with ``F.linear`` (best
+    of ``repeats``); a pass streams all the weights, as a forward does, so the times include the
+    memory traffic that dominates small blocks. One backend's packed copies exist at a time (for
+    memory), so ``F.linear`` is timed beside each backend, and each backend's times are scaled by
+    the ratio of the first backend's ``F.linear`` time to the one beside it: a machine whose memory
+    bandwidth drifts between two backends' turns then compares each backend with ``F.linear`` as
+    it ran at the same moment. :func:`choose_packing` then picks the backend and ``min_rows`` with
+    the least total time. About 10 s for SmolLM2-135M on a 2-core machine; the packed copies are
+    dropped afterwards (:func:`pack_linear_layers` packs the winner).
     """
     layers = [layer for _, _, layer in _linear_targets(model)]
     backends = available_backends()
@@ -234,12 +238,13 @@ def tune_linear_packing(model: nn.Module, rows: int, repeats: int = 4) -> Packin
             times[backend.value] = {}
             for m in sizes:
                 inputs = {width: torch.randn(m, width) for width in widths}
-                candidates = {backend.value: _pass(packed, inputs, lambda x, la: la(x))}
-                if m not in times["plain"]:
-                    candidates["plain"] = _pass(layers, inputs,
-                                                lambda x, la: F.linear(x, la.weight, la.bias))
-                for name, timing in interleaved(candidates, rounds=repeats, max_calls=1).items():
-                    times[name][m] = 1e3 * timing.best
+                candidates = {backend.value: _pass(packed, inputs, lambda x, la: la(x)),
+                              "plain": _pass(layers, inputs,
+                                             lambda x, la: F.linear(x, la.weight, la.bias))}
+                timed = {name: 1e3 * timing.best for name, timing in
+                         interleaved(candidates, rounds=repeats, max_calls=1).items()}
+                reference = times["plain"].setdefault(m, timed["plain"])
+                times[backend.value][m] = timed[backend.value] * reference / timed["plain"]
             del packed
     return choose_packing(times, rows)
 
