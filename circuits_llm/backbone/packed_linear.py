@@ -222,7 +222,7 @@ def tune_linear_packing(model: nn.Module, rows: int, repeats: int = 4) -> Packin
     the ratio of the first backend's ``F.linear`` time to the one beside it: a machine whose memory
     bandwidth drifts between two backends' turns then compares each backend with ``F.linear`` as
     it ran at the same moment. :func:`choose_packing` then picks the backend and ``min_rows`` with
-    the least total time. About 10 s for SmolLM2-135M on a 2-core machine; the packed copies are
+    the least total time. About 10-15 s for SmolLM2-135M on a 2-core machine; the packed copies are
     dropped afterwards (:func:`pack_linear_layers` packs the winner).
     """
     layers = [layer for _, _, layer in _linear_targets(model)]
