@@ -18,8 +18,7 @@ version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 venv="$venvs/floors-py$version"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 echo "== test suite on the oldest supported versions, Python $version ($venv)"
-make --no-print-directory test PY="$venv/bin/python" CONSTRAINTS=constraints-floors.txt \
-  PYTEST_WORKERS="${PYTEST_WORKERS:-auto}"
+make --no-print-directory test PY="$venv/bin/python" CONSTRAINTS=constraints-floors.txt
 # triton 3.6 beside the newest numpy (the GPU image pairs them): the interpreted kernel tests again
 echo "== triton's interpreter tests with triton 3.6 and the newest numpy"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade numpy

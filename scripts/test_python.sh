@@ -35,7 +35,7 @@ else
 fi
 version=$("$venv_python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
 echo "== test suite under Python $version ($venv_python)"
-make --no-print-directory test PY="$venv_python" PYTEST_WORKERS="${PYTEST_WORKERS:-auto}"
+make --no-print-directory test PY="$venv_python"
 if "$venv_python" -c 'import triton' 2>/dev/null; then
   echo "== the same suite under Python $version without triton"
   "$venv_python" -m pip uninstall "${PIP_QUIET[@]}" --yes triton
