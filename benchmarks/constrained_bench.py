@@ -13,10 +13,14 @@ thread, in one process:
   constraint gets;
 * ``<head> product``: drafts from the head's circuit times the automaton over the window
   (:attr:`ConstrainedDrafting.PRODUCT`);
-* ``btree ... conf0.3``: the same BTree arms verifying only the drafts the head is confident of
+* ``btree product ... conf0.3``: the BTree product arms verifying only the drafts the head is confident of
   (``DraftLength.confident(0.3)``, a draft-side rule: the law is unchanged);
 * ``<head> product copy``: the product with a copy of the context mixed into every draft
-  (:class:`~circuits_llm.decoding.lookup.ContextLookup`; the prompt shows the schema's keys).
+  (:class:`~circuits_llm.decoding.lookup.ContextLookup`; the prompt shows the schema's keys);
+* ``<head> product walk``: the same, and the constraint's walk mixed in in the rounds where the
+  copy proposes no draftable token (:mod:`~circuits_llm.decoding.constraint_path`: the text the
+  automaton fixes, and at its choices what the output chose last time;
+  ``ContextLookup(constraint_weight=0.5)``).
 
 Reported per arm and mode (greedy, sampling at temperature 1): tokens per round, acceptance per
 draft position, decoding tokens/s and the ratio to constrained AR, the constraint work per round
@@ -119,6 +123,8 @@ PROMPTS: dict[str, list[str]] = {
 HEADS = ("btree", "ff")
 #: the threshold of the dynamic draft length arms (DraftLength.confident; results.md section 6)
 CONFIDENCE = 0.3
+#: the ``walk`` arms: the context copy, and the constraint's walk where the copy has nothing
+WALK = ContextLookup(constraint_weight=0.5)
 
 
 def _prompt_ids(tokenizer: Any, schema: dict[str, Any], text: str) -> list[int]:
@@ -163,11 +169,13 @@ def _arm_record(results: list[DecodeResult], texts: list[str], valid: list[bool]
 
 
 def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] = print,
-                  packed_linear: bool = True) -> dict[str, Any]:
+                  packed_linear: bool = True, arms_matching: str | None = None) -> dict[str, Any]:
     """Every arm on every schema's prompts, greedy and sampling; the JSON-ready record.
 
     ``packed_linear``: the model's linear weights packed with MKL for verify blocks, as
-    ``circuits-llm demo`` does (every arm, constrained AR included, shares the model).
+    ``circuits-llm demo`` does (every arm, constrained AR included, shares the model);
+    ``arms_matching``: run only constrained AR and the arms whose name contains one of its
+    comma-separated parts.
     """
     torch.manual_seed(0)
     loaded = load_model(resolve_model("smollm2"), torch.device("cpu"))
@@ -198,17 +206,26 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
         for drafting in ConstrainedDrafting:
             decoders[f"{name} {drafting.value}"] = SpeculativeDecoder(
                 ready.backbone, ready.head, constrained_drafting=drafting)
-            if name == "btree":  # the same, verifying only the drafts the head is confident of
+            if name == "btree" and drafting is ConstrainedDrafting.PRODUCT:
+                # the same, verifying only the drafts the head is confident of
                 decoders[f"{name} {drafting.value} conf{CONFIDENCE:g}"] = SpeculativeDecoder(
                     ready.backbone, ready.head, constrained_drafting=drafting,
                     draft_length=DraftLength.confident(CONFIDENCE))
-        # the product with a copy of the context mixed in (the prompt shows the schema's keys)
-        decoders[f"{name} product copy"] = SpeculativeDecoder(ready.backbone, ready.head,
-                                                              lookup=ContextLookup())
-        if name == "btree":
-            decoders[f"{name} product copy conf{CONFIDENCE:g}"] = SpeculativeDecoder(
-                ready.backbone, ready.head, lookup=ContextLookup(),
-                draft_length=DraftLength.confident(CONFIDENCE))
+        # the product with a copy of the context mixed in (the prompt shows the schema's keys),
+        # then with the constraint's walk in the rounds where it proposes something
+        for label, lookup in (("copy", ContextLookup()), ("walk", WALK)):
+            decoders[f"{name} product {label}"] = SpeculativeDecoder(ready.backbone, ready.head,
+                                                                     lookup=lookup)
+            if name == "btree":
+                decoders[f"{name} product {label} conf{CONFIDENCE:g}"] = SpeculativeDecoder(
+                    ready.backbone, ready.head, lookup=lookup,
+                    draft_length=DraftLength.confident(CONFIDENCE))
+    if arms_matching is not None:
+        parts = [part for part in arms_matching.split(",") if part]
+        decoders = {arm: decoder for arm, decoder in decoders.items()
+                    if arm == "ar" or any(part in arm for part in parts)}
+        if len(decoders) == 1:
+            raise SystemExit(f"--arms {arms_matching!r} matches no arm")
     arms: dict[str, dict[str, Any]] = {}
     greedy_equal: dict[str, bool] = {}
     for mode, temperature in (("greedy", 0.0), ("sampling", 1.0)):
@@ -278,10 +295,11 @@ def format_table(record: dict[str, Any]) -> str:
 
 
 def benchmark_arguments(argv: list[str] | None, description: str | None,
-                        default_out: Path, linear_flag: bool = False) -> argparse.Namespace:
+                        default_out: Path, linear_flag: bool = False,
+                        arms_flag: bool = False) -> argparse.Namespace:
     """The command line the constrained benchmarks share (``--quick``, ``--max-new-tokens``,
-    ``--threads``, ``--out``; ``--plain-linear`` with ``linear_flag``), parsed; torch's thread
-    count is set from it."""
+    ``--threads``, ``--out``; ``--plain-linear`` with ``linear_flag``; ``--arms`` with
+    ``arms_flag``), parsed; torch's thread count is set from it."""
     parser = argparse.ArgumentParser(description=(description or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one schema, one prompt")
     parser.add_argument("--max-new-tokens", type=int, default=160)
@@ -291,14 +309,20 @@ def benchmark_arguments(argv: list[str] | None, description: str | None,
         parser.add_argument("--plain-linear", action="store_true",
                             help="keep torch's default linear kernels (no MKL packing for verify "
                                  "blocks)")
+    if arms_flag:
+        parser.add_argument("--arms", default=None, metavar="TEXT",
+                            help="run only constrained AR and the arms whose name contains one "
+                                 "of TEXT's comma-separated parts (e.g. 'product copy,product "
+                                 "walk')")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = benchmark_arguments(argv, __doc__, DEFAULT_OUT, linear_flag=True)
-    record = run_benchmark(args.quick, args.max_new_tokens, packed_linear=not args.plain_linear)
+    args = benchmark_arguments(argv, __doc__, DEFAULT_OUT, linear_flag=True, arms_flag=True)
+    record = run_benchmark(args.quick, args.max_new_tokens, packed_linear=not args.plain_linear,
+                           arms_matching=args.arms)
     publish(format_table(record), record, args.out)
     bad = [key for key, arm in record["arms"].items() if arm["valid"] != arm["outputs"]]
     return 1 if bad or not all(record["greedy_equal_to_ar"].values()) else 0

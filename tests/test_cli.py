@@ -448,6 +448,25 @@ def test_demo_drafting_options_parse_and_are_checked(capsys: pytest.CaptureFixtu
         assert "expected weights in [0, 1]" in capsys.readouterr().err
 
 
+def test_generate_under_a_regex_walks_the_constraint(demo_run: dict,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--regex`` with a head and ``--constraint-walk W`` mixes the constraint's walk into its
+    drafts (greedy output still AR's; off by default), and the option is refused without a
+    constraint or with ``--head ar``."""
+    regex = ("--regex", "(self|x|y)(, ?(self|x|y))*\\):")
+    assert _generate(demo_run, "ar", *regex) == 0
+    reference = capsys.readouterr().out
+    assert _generate(demo_run, "btree", *regex, "--constraint-walk", "0.5") == 0
+    captured = capsys.readouterr()
+    assert captured.out == reference and "constraint 0.5" in captured.err
+    assert _generate(demo_run, "btree", *regex) == 0
+    captured = capsys.readouterr()
+    assert captured.out == reference and "lookup" not in captured.err
+    for head, extra in (("ar", regex), ("btree", ())):
+        assert _generate(demo_run, head, *extra, "--constraint-walk", "0.5") == 2
+        assert "--constraint-walk mixes the constraint's walk" in capsys.readouterr().err
+
+
 def test_generate_with_a_json_schema_stays_inside_its_bounds(subword_run: dict, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]
                                                                ) -> None:

@@ -3,7 +3,7 @@
 :func:`constrained_target_law` is constrained autoregressive decoding's law (the logits masked by a
 token automaton's state, then warped); :func:`constrained_decoder_law` is the speculative decoder's
 under a constraint, FREE or PRODUCT drafting (the head's circuit times the automaton, optionally
-mixed with a copy of the context), enumerated with the decoder's own round functions.
+mixed with the constraint's walk or a copy of the context), enumerated with the decoder's own round functions.
 """
 
 from __future__ import annotations
@@ -17,12 +17,8 @@ from torch import Tensor
 from toy import Law, ToyHead, ToyLM, add_outcomes, stand_in_marginal
 
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
-from circuits_llm.decoding.lookup import (
-    ContextLookup,
-    LookupIndex,
-    copy_component,
-    mixed_conditionals,
-)
+from circuits_llm.decoding.constraint_path import ConstraintPath, ConstraintSteps, round_component
+from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, mixed_conditionals
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig, target_probs
 
@@ -179,7 +175,8 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
 def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt: Sequence[int],
                             length: int, config: SamplingConfig, drafting: object,
                             policy: CorrectionPolicy = CorrectionPolicy.EXACT,
-                            lookup: ContextLookup | None = None, mixed_q: bool = True) -> Law:
+                            lookup: ContextLookup | None = None, mixed_q: bool = True,
+                            components: list[Tensor] | None = None) -> Law:
     """The exact law of the first ``length`` tokens of ``SpeculativeDecoder(lm, head,
     constrained_drafting=drafting).generate(prompt, length, constraint=automaton)`` (CPU).
 
@@ -249,10 +246,17 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
                     params = head.circuit.log_parameters(
                         program.head_parameters(hidden, torch.tensor([c])))
                 component = None
-                if lookup is not None:
-                    proposal, ngram = LookupIndex(lookup.max_ngram, sequence).propose(window - 1)
-                    component = copy_component(proposal, ngram, lookup, drafter.position.tolist(),
-                                               window - 1, torch.device("cpu"))
+                if lookup is not None:  # the walk of the constraint, else the copy
+                    path = None
+                    if lookup.constraint_weight > 0:
+                        path = ConstraintPath(ConstraintSteps(automaton))  # type: ignore[arg-type]
+                        path.record(automaton.initial_state,  # type: ignore[attr-defined]
+                                    sequence[len(prompt):])
+                    component = round_component(lookup, LookupIndex(lookup.max_ngram, sequence),
+                                                path, state, drafter.position.tolist(),
+                                                window - 1, torch.device("cpu"))
+                    if components is not None:
+                        components.append(component)
                 drafts = _product_drafts(drafter, params, c, state, config.greedy, component,
                                          mixed_q)
             else:

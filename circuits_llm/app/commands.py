@@ -246,11 +246,12 @@ def _run_comparison(command: str, base: Callable[[bool], ComparisonConfig]
 
 # ---------------------------------------------------------------------------- generate
 def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
-                 lookup: tuple[float, ...] = (), packed: bool = False) -> tuple[Any, str]:
+                 lookup: tuple[float, ...] = (), packed: bool = False,
+                 walk: float = 0.0) -> tuple[Any, str]:
     """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
-    of the context into the drafts with ``lookup``'s weights; a speculative decoder on a CPU
-    with ``packed``: the model's linear weights packed for its verify blocks), and a
-    description of it."""
+    of the context into the drafts with ``lookup``'s weights, and under a constraint its walk
+    with weight ``walk``; a speculative decoder on a CPU with ``packed``: the model's linear
+    weights packed for its verify blocks), and a description of it."""
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     if head.lower() in AUTOREGRESSIVE_NAMES:
@@ -278,7 +279,8 @@ def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
         pack_for_verify_blocks(loaded.model, window, loaded.model.device)
     mtp_head, backbone = load_trained_head(run_dir, loaded.model, compile=compile)
     from circuits_llm.decoding.lookup import ContextLookup
-    copy = ContextLookup(lookup) if lookup else None
+    # a weight of 0 never copies: the walk alone when only it is asked for
+    copy = ContextLookup(lookup or (0.0,), constraint_weight=walk) if lookup or walk else None
     return (SpeculativeDecoder(backbone, mtp_head.eval(), compile=compile, lookup=copy),
             f"speculative ({run_dir}{', ' + copy.describe() if copy else ''})")
 
@@ -307,9 +309,14 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode_prompt(args.prompt, chat=args.chat, system=args.system)
     stop = StopCondition.for_model(loaded.model, args.max_new_tokens,
                                    [unescape_stop(s) for s in args.stop], tokenizer)
-    decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
-                                        args.compile, args.lookup, packed=not args.plain_linear)
     constraint = _constraint(args)
+    walk = args.constraint_walk
+    if walk and (constraint is None or args.head.lower() in AUTOREGRESSIVE_NAMES):
+        raise DemoError("--constraint-walk mixes the constraint's walk into a head's drafts: give "
+                        "--regex or --json-schema and a --head other than ar, or leave it out")
+    decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
+                                        args.compile, args.lookup, packed=not args.plain_linear,
+                                        walk=walk)
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
     result = decoder.generate(torch.tensor(prompt), stop.max_new_tokens, args.temperature,
@@ -367,6 +374,11 @@ def add_commands(sub: Any) -> None:
                      help="mix a copy of the context's last repeated n-gram's continuation into "
                           "the head's drafts, with these weights per n-gram length (exact; e.g. "
                           "0.2,0.4,0.6; default none)")
+    gen.add_argument("--constraint-walk", type=_probability, default=0.0, metavar="W",
+                     help="under --regex or --json-schema, mix into a head's drafts, with weight "
+                          "W, the text the constraint fixes and the output's own choices where "
+                          "it leaves one, in rounds where --lookup proposes nothing (exact; "
+                          "default 0: off)")
     constrained = gen.add_mutually_exclusive_group()
     constrained.add_argument("--regex", default=None, metavar="PATTERN",
                              help="generate only text that matches PATTERN (the model's law "

@@ -47,6 +47,8 @@ the exact-law enumerator of the tests both use them.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor
 
@@ -59,9 +61,10 @@ from circuits_llm.decoding.constrained import (
     ConstraintTracker,
     ProductDrafter,
 )
+from circuits_llm.decoding.constraint_path import ConstraintPath, ConstraintSteps, round_component
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.inputs import check_draft_tokens, head_parameters
-from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, copy_component
+from circuits_llm.decoding.lookup import ContextLookup, LookupIndex
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats
 from circuits_llm.decoding.round import RoundOutcome, RoundProgram
 from circuits_llm.decoding.stopping import StopCondition
@@ -112,7 +115,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             earlier occurrence of the output's final n-gram, one more component of the draft's
             circuit; exact). ``None`` (default): the head alone. Combines with the constraint
             product too (mixed into the product's sequential draw, the copy cut before its first
-            token the constraint forbids).
+            token the constraint forbids), where a round whose copy proposes nothing draftable
+            proposes the constraint's walk instead (:mod:`~circuits_llm.decoding.constraint_path`;
+            ``ContextLookup.constraint_weight``).
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
@@ -159,6 +164,10 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         self.lookup = lookup
         #: the output so far, indexed for the copy component (during generate, with a lookup)
         self._index: LookupIndex | None = None
+        #: the constraint's walk and the output's habits (during a constrained generate with a
+        #: lookup and PRODUCT drafting), and what it reads of each automaton (built once)
+        self._path: ConstraintPath | None = None
+        self._steps: dict[TokenAutomaton, ConstraintSteps] = {}
         #: model id -> draft-vocabulary index (-1 outside it) on the host, for the copy component
         self._position: list[int] | None = None
         if lookup is not None and head.draft_tokens is not None:  # type: ignore[attr-defined]
@@ -208,10 +217,16 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if self.lookup is None:
             return super()._decode(prompt, stop, config, generator, tracker)
         self._index = LookupIndex(self.lookup.max_ngram, prompt)
+        if tracker is not None and self.lookup.constraint_weight > 0 \
+                and self.constrained_drafting is ConstrainedDrafting.PRODUCT:
+            steps = self._steps.get(tracker.automaton)
+            if steps is None:
+                steps = self._steps[tracker.automaton] = ConstraintSteps(tracker.automaton)
+            self._path = ConstraintPath(steps)
         try:
             return super()._decode(prompt, stop, config, generator, tracker)
         finally:
-            self._index = None
+            self._index, self._path = None, None
 
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
                generator: torch.Generator | None, tracker: ConstraintTracker | None = None
@@ -219,16 +234,26 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         move, step, stats = self._speculative_round(c, hidden, config, generator, tracker)
         if self._index is not None:
             self._index.extend(move.emitted)
+        if self._path is not None and tracker is not None:  # the tracker emits them after this
+            start = time.perf_counter()
+            self._path.record(tracker.state, move.emitted)
+            tracker.pending += time.perf_counter() - start
         return move, step, stats
 
-    def _component(self, program: RoundProgram) -> Tensor | None:
-        """This round's copy component (:func:`~circuits_llm.decoding.lookup.copy_component`), or
-        None without a lookup."""
+    def _component(self, program: RoundProgram, tracker: ConstraintTracker | None = None
+                   ) -> Tensor | None:
+        """This round's proposal component (:func:`~circuits_llm.decoding.constraint_path.
+        round_component`: the context copy, else the constraint's walk), or None without a
+        lookup."""
         if self._index is None or self.lookup is None:
             return None
-        proposal, ngram = self._index.propose(program.window - 1)
-        return copy_component(proposal, ngram, self.lookup, self._position, program.window - 1,
-                              self.device)
+        start = time.perf_counter()
+        component = round_component(self.lookup, self._index, self._path,
+                                    -1 if tracker is None else tracker.state, self._position,
+                                    program.window - 1, self.device)
+        if self._path is not None and tracker is not None:
+            tracker.pending += time.perf_counter() - start
+        return component
 
     def _speculative_round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
                            generator: torch.Generator | None,
@@ -250,7 +275,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             drafter = self._drafter(tracker)
             draft, seconds = drafter.draft(
                 params, c, tracker.state, None if draws is None else draws[:-1], self.draft_length,
-                self._component(program), None if draws is None else float(draws[-1]))
+                self._component(program, tracker), None if draws is None else float(draws[-1]))
             tracker.pending += seconds
             size = drafter.last_size
             length = int(draft.length)  # type: ignore[arg-type]

@@ -41,6 +41,13 @@ them, not its marginal, so past the copy every conditional of the mixture is the
 ``h_k`` (the posterior weight of the copy no longer matters there) and the round may verify the
 whole window: no cut at ``m``.
 
+Under a constraint with ``PRODUCT`` drafting, a round whose copy proposes nothing draftable
+may propose instead the constraint's own walk (:mod:`~circuits_llm.decoding.constraint_path`: the
+text the automaton fixes from the current state, and at its open choices what the output chose
+last time), with the weight ``ContextLookup.constraint_weight`` (0 by default: off); it is mixed
+in exactly the same way, and :func:`~circuits_llm.decoding.constraint_path.round_component`
+picks between the two from the verified output alone.
+
 The index is incremental (:class:`LookupIndex`): each emitted token updates one dictionary entry
 per n-gram length, and a proposal is ``max_ngram`` dictionary reads: host work of microseconds
 per round.
@@ -57,7 +64,8 @@ from torch import Tensor
 from circuits.compiled.automaton_product import pick_category
 from circuits_llm.decoding.warping import DecoderError
 
-__all__ = ["ContextLookup", "LookupIndex", "SequentialCopy", "copy_component", "mixed_conditionals"]
+__all__ = ["ContextLookup", "LookupIndex", "SequentialCopy", "copy_component", "mixed_conditionals",
+           "proposal_component"]
 
 
 @dataclass(frozen=True)
@@ -71,9 +79,16 @@ class ContextLookup:
             n-gram searched. A weight of 0 never copies on a match of that length. Greedy rounds
             copy whenever the weight is above 0; the weight still enters the draft's
             conditionals, which a confident draft-length rule reads.
+        constraint_weight: under a constraint with ``PRODUCT`` drafting, the weight of the
+            constraint's own proposal (:mod:`~circuits_llm.decoding.constraint_path`: the text the
+            automaton fixes from the current state, and at its open choices what the output chose
+            last time), mixed in a round where the context copy proposes no draftable token.
+            In ``[0, 1]``; 0 (default) never walks: on the constrained benchmark the walk was
+            within the noise of the copy alone (``docs/results.md`` section 9).
     """
 
     weights: tuple[float, ...] = (0.1, 0.3, 0.5)
+    constraint_weight: float = 0.0
 
     def __post_init__(self) -> None:
         weights = self.weights
@@ -85,6 +100,11 @@ class ContextLookup:
                     or not 0.0 <= weight <= 1.0:
                 raise DecoderError(f"ContextLookup.weights must hold numbers in [0, 1], got "
                                    f"{weight!r} in {weights!r}")
+        weight = self.constraint_weight
+        if isinstance(weight, bool) or not isinstance(weight, int | float) \
+                or not 0.0 <= weight <= 1.0:
+            raise DecoderError(f"ContextLookup.constraint_weight must be a number in [0, 1], got "
+                               f"{weight!r}")
 
     @property
     def max_ngram(self) -> int:
@@ -92,8 +112,10 @@ class ContextLookup:
         return len(self.weights)
 
     def describe(self) -> str:
-        """A short label, e.g. ``"lookup 0.1/0.3/0.5"``."""
-        return "lookup " + "/".join(f"{w:g}" for w in self.weights)
+        """A short label, e.g. ``"lookup 0.1/0.3/0.5"`` (``", constraint 0.5"`` after it with a
+        walk)."""
+        walk = f", constraint {self.constraint_weight:g}" if self.constraint_weight else ""
+        return "lookup " + "/".join(f"{w:g}" for w in self.weights) + walk
 
 
 class LookupIndex:
@@ -148,13 +170,20 @@ def copy_component(proposal: list[int], ngram: int, lookup: ContextLookup,
     vocabulary. The proposal is cut before its first token outside the draft vocabulary (the head's
     ``q`` lives on that vocabulary; the verifier's residual covers the rest).
     """
+    weight = lookup.weights[ngram - 1] if proposal else 0.0
+    return proposal_component(proposal, weight, position, drafts, device)
+
+
+def proposal_component(proposal: list[int], weight: float, position: Sequence[int] | None,
+                       drafts: int, device: torch.device) -> Tensor:
+    """:func:`copy_component` of any proposal (model ids) with its mixture weight ``weight``."""
     indices: list[int] = []
     for token in proposal[:drafts]:
         index = token if position is None else position[token]
         if index < 0:
             break
         indices.append(index)
-    weight = lookup.weights[ngram - 1] if indices else 0.0
+    weight = weight if indices else 0.0
     values = indices + [0] * (drafts - len(indices)) + [len(indices), weight]
     return torch.tensor(values, dtype=torch.float64, device=device)
 
