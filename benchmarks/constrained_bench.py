@@ -16,7 +16,10 @@ thread, in one process:
 * ``btree product ... conf0.3``: the BTree product arms verifying only the drafts the head is confident of
   (``DraftLength.confident(0.3)``, a draft-side rule: the law is unchanged);
 * ``<head> product copy``: the product with a copy of the context mixed into every draft
-  (:class:`~circuits_llm.decoding.lookup.ContextLookup`; the prompt shows the schema's keys);
+  (:class:`~circuits_llm.decoding.lookup.ContextLookup`; the prompt shows the schema's keys),
+  its tokens outside the head's draft vocabulary included (carried in an extra column of ``q``);
+* ``<head> product cut copy``: the same copy cut before its first token outside the draft
+  vocabulary (``ContextLookup(outside_vocabulary=False)``, what the copy did before);
 * ``<head> product walk``: the same, and the constraint's walk mixed in in the rounds where the
   copy proposes no draftable token (:mod:`~circuits_llm.decoding.constraint_path`: the text the
   automaton fixes, and at its choices what the output chose last time;
@@ -125,6 +128,8 @@ HEADS = ("btree", "ff")
 CONFIDENCE = 0.3
 #: the ``walk`` arms: the context copy, and the constraint's walk where the copy has nothing
 WALK = ContextLookup(constraint_weight=0.5)
+#: the ``cut copy`` arms: the copy cut before its first token outside the draft vocabulary
+CUT = ContextLookup(outside_vocabulary=False)
 
 
 def _prompt_ids(tokenizer: Any, schema: dict[str, Any], text: str) -> list[int]:
@@ -213,7 +218,7 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
                     draft_length=DraftLength.confident(CONFIDENCE))
         # the product with a copy of the context mixed in (the prompt shows the schema's keys),
         # then with the constraint's walk in the rounds where it proposes something
-        for label, lookup in (("copy", ContextLookup()), ("walk", WALK)):
+        for label, lookup in (("copy", ContextLookup()), ("walk", WALK), ("cut copy", CUT)):
             decoders[f"{name} product {label}"] = SpeculativeDecoder(ready.backbone, ready.head,
                                                                      lookup=lookup)
             if name == "btree":

@@ -199,6 +199,32 @@ def test_external_parameters() -> None:
     assert result.values.tolist()[:len(expected_values)] == expected_values
 
 
+def test_choose_may_stop_the_draw() -> None:
+    """``choose`` returning None stops the draw there: the values before it are the ones drawn,
+    and that variable's conditional is written (a caller's own law may leave the circuit's
+    categories there); a category without mass is refused."""
+    compiled = make_circuit("btree", 4, 2, 3, seed=1)
+    product = AutomatonProduct(compiled)
+    automaton = random_automaton(3, 3, seed=4)
+    full = product.draw(None, automaton, torch.tensor([1]), consume_from=1)
+    seen: list[Tensor] = []
+
+    def stop_at_second(conditional: Tensor) -> int | None:
+        seen.append(conditional.clone())
+        return None if len(seen) == 2 else int(conditional.argmax())
+
+    stopped = product.draw(None, automaton, torch.tensor([1]), consume_from=1,
+                           choose=stop_at_second)
+    assert full.length == 3 and stopped.length == 1 and len(seen) == 2
+    assert stopped.values.tolist() == [*full.values[:2].tolist(), 0, 0]
+    torch.testing.assert_close(stopped.conditionals[:2], full.conditionals[:2], rtol=0, atol=0)
+    assert stopped.conditionals[2:].eq(0).all()
+    assert full.conditionals[0, 2] == 0  # this automaton forbids category 2 there
+    with pytest.raises(InvalidInputError, match="not a category with positive probability"):
+        product.draw(None, automaton, torch.tensor([1]), consume_from=1,
+                     choose=lambda conditional: 2)
+
+
 def test_zero_mass_stops_the_draw() -> None:
     compiled = make_circuit("hmm", 4, 2, 3, seed=0)
     product = AutomatonProduct(compiled)

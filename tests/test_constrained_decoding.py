@@ -39,7 +39,12 @@ from toy import (
     target_law,
     total_variation,
 )
-from toy_constrained import _product_drafts, constrained_decoder_law, constrained_target_law
+from toy_constrained import (
+    _product_drafts,
+    constrained_decoder_law,
+    constrained_target_law,
+    drafted_rows,
+)
 
 from circuits_llm.constraints import ConstraintError, Regex, TokenAutomaton
 from circuits_llm.decoding.acceptance import CorrectionPolicy
@@ -249,8 +254,9 @@ def test_product_stand_in_draws_follow_the_enumerated_law() -> None:
         uniforms = torch.rand(drafter.window, generator=generator, dtype=torch.float64)
         result, _ = drafter.draft(params, c, state, uniforms[:-1], None, None, float(uniforms[-1]))
         tokens = tuple(result.tokens.tolist())
+        rows = drafted_rows(drafter, result)
         matches = [groups[tuple(q[0].tolist())] for t, q, _, _ in leaves
-                   if tuple(t.tolist()) == tokens and torch.allclose(result.q, q, rtol=0, atol=1e-12)]
+                   if tuple(t.tolist()) == tokens and torch.allclose(rows, q, rtol=0, atol=1e-12)]
         assert len(matches) == 1, matches
         pairs.append((matches[0], *tokens))
         ignored.append((0, *tokens))

@@ -18,7 +18,7 @@ from toy import Law, ToyHead, ToyLM, add_outcomes, stand_in_marginal
 
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.constraint_path import ConstraintPath, ConstraintSteps, round_component
-from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, mixed_conditionals
+from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, copy_posterior, unpack
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig, target_probs
 
@@ -94,34 +94,72 @@ def _forced_run(automaton: object, state: int, drafts: Sequence[int], limit: int
     return run
 
 
+def _extended_rows(rows: Tensor, path: Tensor, copy: Tensor) -> Tensor:
+    """The mixture's conditionals (n-1, K + 1) along ``path``: ``(1 - pi) h`` on the draft
+    vocabulary, plus ``pi`` on the proposal's token (its own column, or column ``K`` when it lies
+    outside the draft vocabulary)."""
+    size = rows.shape[1]
+    pi = copy_posterior(rows, path, copy)
+    out = torch.cat([(1 - pi[:, None]) * rows, torch.zeros(rows.shape[0], 1, dtype=rows.dtype)], 1)
+    for k, entry in enumerate(unpack(copy)[0].tolist()):
+        out[k, entry if entry >= 0 else size] += pi[k]
+    return out
+
+
+def _full_rows(extended: Tensor, extra: Sequence[int], ids: Tensor, vocab: int) -> Tensor:
+    """(n-1, K + 1) rows over the draft vocabulary plus one extra id per row -> (n-1, V)."""
+    full = torch.zeros(extended.shape[0], vocab, dtype=torch.float64)
+    full[:, ids] = extended[:, :-1]
+    for k, token in enumerate(extra):
+        full[k, token] += extended[k, -1]
+    return full
+
+
+def drafted_rows(drafter: object, result: object) -> Tensor:
+    """A :class:`ProductDrafter` draft's ``q`` (n-1, K + 1) with its extra column's ids, as
+    (n-1, V) rows over the model's vocabulary (what :func:`_product_drafts` returns)."""
+    return _full_rows(result.q.cpu(), result.extra.tolist(),  # type: ignore[attr-defined]
+                      drafter.draft_tokens, drafter.position.numel())  # type: ignore[attr-defined]
+
+
 def _product_drafts(drafter: object, params: object, c: int, state: int, greedy: bool,
-                    component: Tensor | None = None, mixed_q: bool = True
-                    ) -> list[tuple[Tensor, Tensor, int, float]]:
+                    component: Tensor | None = None, mixed_q: bool = True,
+                    free_point_mass: bool = True) -> list[tuple[Tensor, Tensor, int, float]]:
     """Every draft :class:`ProductDrafter` can make after ``c`` in automaton state ``state``:
-    ``(tokens (n-1,) model ids, q (n-1, K) its conditionals, L, probability)``. Sampling: the
+    ``(tokens (n-1,) model ids, q (n-1, V) its conditionals, L, probability)``. Sampling: the
     tree of :meth:`AutomatonProduct.draw`'s own conditionals (the draw is steered along every
     branch with ``choose``); greedy: the drafter's own (argmax) draft, with a one-hot ``q``.
 
     ``component``: a copy of the context mixed into the product (the decoder's ``lookup``): the
-    tree's branches then follow the mixture's conditionals (:func:`mixed_conditionals` of the
-    product's rows along each prefix, the copy cut where the automaton forbids it; drawn one
+    tree's branches then follow the mixture's conditionals (the product's rows along each prefix
+    and the copy's posterior weight, the copy cut where the automaton forbids it; drawn one
     variable at a time, the mixture needs no cut at the copy's end: after it every conditional is
-    the product's own). ``mixed_q=False``: the accept
-    test reads the product's own conditionals instead (the negative control)."""
+    the product's own). A proposal token outside the draft vocabulary is one more branch of its
+    row (probability ``pi``); taking it follows the proposal to its end, which is where that
+    draft's verification stops (its row is the point mass at the token when the drafter has no
+    draftable token there). ``mixed_q=False``: the accept test reads the product's own
+    conditionals instead (the negative control); ``free_point_mass=False``: that row keeps the
+    mixture's conditional instead of the point mass (another)."""
     d = drafter
     n = d.window  # type: ignore[attr-defined]
-    size = d.draft_tokens.numel()  # type: ignore[attr-defined]
+    ids = d.draft_tokens  # type: ignore[attr-defined]
+    size = ids.numel()
+    vocab = d.position.numel()  # type: ignore[attr-defined]
     index = int(d.position[c])  # type: ignore[attr-defined]
     if state not in d.local:  # type: ignore[attr-defined]
         # no draft: the round verifies [c] alone (L = 0), an autoregressive step in law
-        return [(torch.zeros(n - 1, dtype=torch.long), torch.zeros(n - 1, size, dtype=torch.float64),
+        return [(torch.zeros(n - 1, dtype=torch.long), torch.zeros(n - 1, vocab, dtype=torch.float64),
                  0, 1.0)]
     # c outside the draft vocabulary: X_0 is drawn first (a stand-in), the drafts condition on it
     lead = 1 if index < 0 else 0
     observed = torch.tensor([index] if lead == 0 else [], dtype=torch.long)
     start = d.local[state]  # type: ignore[attr-defined]
     automaton = d.table.restart(start)  # type: ignore[attr-defined]
-    copy = None if component is None else d.allowed_copy(component, start)  # type: ignore[attr-defined]
+    copy, free_outside = (None, False) if component is None else \
+        d.allowed_copy(component, start)  # type: ignore[attr-defined]
+    proposal = [] if copy is None else unpack(copy)[0][:int(unpack(copy)[1])].tolist()
+    proposal_ids = [int(ids[e]) if e >= 0 else -e - 1 for e in proposal]
+    extra = proposal_ids + [0] * (n - 1 - len(proposal_ids))
 
     def verified_length(values: list[int]) -> int:
         local, walk = start, []
@@ -133,9 +171,14 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
     if greedy:
         result, _ = d.draft(params, c, state, None, None, component)  # type: ignore[attr-defined]
         tokens = result.tokens.cpu()
+        one_hot = torch.nn.functional.one_hot(tokens, vocab).double()
         values = [int(d.position[t]) for t in tokens.tolist()]  # type: ignore[attr-defined]
-        one_hot = torch.nn.functional.one_hot(torch.tensor(values), size).double()
-        assert int(result.length) == verified_length(values)
+        outside = next((k for k, v in enumerate(values[:int(result.length)]) if v < 0), None)
+        if outside is None:
+            assert int(result.length) == verified_length(values)
+        else:  # the copy left the draft vocabulary: verified to the proposal's end
+            assert tokens[:len(proposal_ids)].tolist() == proposal_ids
+            assert int(result.length) == len(proposal_ids)
         return [(tokens, one_hot, int(result.length), 1.0)]
 
     leaves: list[tuple[Tensor, Tensor, int, float]] = []
@@ -152,20 +195,37 @@ def _product_drafts(drafter: object, params: object, c: int, state: int, greedy:
         every = drawn.conditionals.cpu()  # (n - 1 + lead, K): the stand-in's row first
         rows = every[lead:]
         path = drawn.values[1:].cpu()
-        q = rows if copy is None else mixed_conditionals(rows, path, copy)
+        plain = torch.cat([rows, torch.zeros(n - 1, 1, dtype=torch.float64)], 1)
+        q = plain if copy is None else _extended_rows(rows, path, copy)
+        stand_in = float(every[0, prefix[0]]) if lead and prefix else 1.0
         branches = every[0] if lead and not prefix else q[len(prefix) - lead]
         for x in branches.nonzero()[:, 0].tolist():
+            if x == size and not (lead and not prefix):  # the proposal's token outside
+                j = len(prefix) - lead
+                drafted = prefix[lead:]
+                weight = stand_in * float(q[torch.arange(j), torch.tensor(drafted, dtype=torch.long)]
+                                          .prod()) * float(q[j, size])
+                final = q.clone()
+                if free_outside and free_point_mass:
+                    final[j] = 0.0
+                    final[j, size] = 1.0
+                final[j + 1:] = 0.0
+                final[j + 1:len(proposal_ids), size] = 1.0
+                tokens = torch.tensor([int(ids[v]) for v in drafted] + proposal_ids[j:], dtype=torch.long)
+                tokens = torch.cat([tokens, torch.zeros(n - 1 - tokens.numel(), dtype=torch.long)])
+                leaves.append((tokens, _full_rows(final, extra, ids, vocab), len(proposal_ids), weight))
+                continue
             values = [*prefix, x]
             if len(values) < n - 1 + lead:
                 expand(values)
                 continue
             drafted = values[lead:]
-            final = q if copy is None else mixed_conditionals(rows, torch.tensor(drafted), copy)
+            final = q if copy is None else _extended_rows(rows, torch.tensor(drafted), copy)
             weight = float(final[torch.arange(n - 1), torch.tensor(drafted)].prod())
             if lead:
                 weight *= float(every[0, values[0]])  # the stand-in's probability
-            leaves.append((d.draft_tokens[torch.tensor(drafted)],  # type: ignore[attr-defined]
-                           final if mixed_q else rows,
+            leaves.append((ids[torch.tensor(drafted)],
+                           _full_rows(final if mixed_q else plain, extra, ids, vocab),
                            verified_length(drafted), weight))
 
     expand([])
@@ -176,7 +236,8 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
                             length: int, config: SamplingConfig, drafting: object,
                             policy: CorrectionPolicy = CorrectionPolicy.EXACT,
                             lookup: ContextLookup | None = None, mixed_q: bool = True,
-                            components: list[Tensor] | None = None) -> Law:
+                            components: list[Tensor] | None = None,
+                            free_point_mass: bool = True) -> Law:
     """The exact law of the first ``length`` tokens of ``SpeculativeDecoder(lm, head,
     constrained_drafting=drafting).generate(prompt, length, constraint=automaton)`` (CPU).
 
@@ -207,6 +268,12 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
             state = automaton.advance(state, token)  # type: ignore[attr-defined]
         return state
 
+    def widen(compact: Tensor) -> Tensor:
+        """(n-1, K) rows over the draft vocabulary -> (n-1, V)."""
+        q = torch.zeros(window - 1, vocab, dtype=torch.float64)
+        q[:, ids] = compact
+        return q
+
     def free_drafts(hidden: Tensor, c: int) -> list[tuple[Tensor, Tensor, int, float]]:
         if config.greedy:
             draft = program.draft(hidden, torch.tensor([c]), None)
@@ -215,7 +282,7 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
             q = torch.nn.functional.one_hot(index, size).double()
             if not bool(draft.possible):
                 q = torch.zeros_like(q)
-            return [(tokens, q, window - 1, 1.0)]
+            return [(tokens, widen(q), window - 1, 1.0)]
         # c outside the draft vocabulary: every stand-in for X_0, weighted by the head's marginal
         branches = [(None, 1.0)] if c in inside else \
             list(enumerate(stand_in_marginal(program, hidden, c).tolist()))
@@ -223,7 +290,7 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
         for stand_in, prior in branches:
             compact = program.conditionals(hidden, c, all_drafts, stand_in=stand_in)  # (D, n-1, K)
             probs = prior * compact.gather(2, all_drafts[:, :, None])[:, :, 0].prod(1)
-            leaves += [(ids[index], q, window - 1, float(w))
+            leaves += [(ids[index], widen(q), window - 1, float(w))
                        for index, q, w in zip(all_drafts, compact, probs, strict=True) if w > 0]
         return leaves
 
@@ -254,16 +321,15 @@ def constrained_decoder_law(lm: ToyLM, head: ToyHead, automaton: object, prompt:
                                     sequence[len(prompt):])
                     component = round_component(lookup, LookupIndex(lookup.max_ngram, sequence),
                                                 path, state, drafter.position.tolist(),
-                                                window - 1, torch.device("cpu"))
+                                                window - 1, torch.device("cpu"),
+                                                lookup.outside_vocabulary)
                     if components is not None:
                         components.append(component)
                 drafts = _product_drafts(drafter, params, c, state, config.greedy, component,
-                                         mixed_q)
+                                         mixed_q, free_point_mass)
             else:
                 drafts = free_drafts(hidden, c)
-            for tokens, q_compact, verified, weight in drafts:
-                q = torch.zeros(window - 1, vocab, dtype=torch.float64)
-                q[:, ids] = q_compact
+            for tokens, q, verified, weight in drafts:
                 draft = tokens[:verified]
                 forced = _forced_run(automaton, state, draft.tolist(), window) \
                     if drafter is not None and policy is CorrectionPolicy.EXACT else []

@@ -244,10 +244,11 @@ class SequentialDraw:
         self.state = 0  # the local index of the state before the next variable
         self.context: RightContext | None = None
 
-    def run(self, conditionals: Tensor, pick: Callable[[Tensor, int], int]) -> int:
+    def run(self, conditionals: Tensor, pick: Callable[[Tensor, int], int | None]) -> int:
         """Draw into ``self.drawn``; row ``k`` of ``conditionals (n - m, K)`` gets the ``k``-th
-        drawn variable's conditional, ``pick(conditional, k)`` chooses its value. Returns how
-        many were drawn before a conditional with no mass (or a prefix the automaton rejects)."""
+        drawn variable's conditional, ``pick(conditional, k)`` chooses its value (None: stop
+        there). Returns how many were drawn before a conditional with no mass, a stop (or a
+        prefix the automaton rejects)."""
         structure, lifting, m = self.structure, self.lifting, self.m
         for v in range(m):
             if not self._advance(v, self.drawn[v]):
@@ -265,6 +266,8 @@ class SequentialDraw:
                 break
             conditional = torch.div(score, total, out=conditionals[v - m])
             x = pick(conditional, v - m)
+            if x is None:
+                break
             self.drawn.append(x)
             self._advance(v, x)
             self._complete(v, x)

@@ -212,14 +212,16 @@ class AutomatonProduct:
     # ------------------------------------------------------------------ sequential draw
     def draw(self, params: ParamsLike | None, automaton: Automaton, prefix: Tensor,
              consume_from: int = 0, *, uniforms: Tensor | None = None,
-             choose: Callable[[Tensor], int] | None = None) -> ProductDraw:
+             choose: Callable[[Tensor], int | None] | None = None) -> ProductDraw:
         """Draw variables ``m .. n-1`` one by one from the product's exact conditionals.
 
         Variables ``0 .. m-1`` are the observed ``prefix`` (read by the automaton from
         ``consume_from`` on, like the drawn ones); variable ``v >= m`` is drawn from its
         conditional given all earlier values: the argmax (greedy, the default), the inverse-CDF
         draw at ``uniforms[v - m]`` (the first category whose cumulative probability exceeds
-        it), or ``choose(conditional)``. Drawing stops at a conditional with no mass.
+        it), or ``choose(conditional)``. Drawing stops at a conditional with no mass, or where
+        ``choose`` returns None (that variable's conditional is still written to
+        ``conditionals``).
 
         Args:
             params: one parameter set (as in :meth:`conditional`).
@@ -227,7 +229,9 @@ class AutomatonProduct:
             prefix: (m,) long, ``m <= n``.
             consume_from: variables before it are not read by the automaton.
             uniforms: (n - m,) float64 in [0, 1), or None.
-            choose: a rule ``(K,) float64 conditional -> category`` with positive probability.
+            choose: a rule ``(K,) float64 conditional -> category`` with positive probability,
+                or None to stop drawing there (a caller whose own law leaves the circuit's
+                categories at that variable).
 
         Returns:
             :class:`ProductDraw`.
@@ -261,11 +265,14 @@ class AutomatonProduct:
 
 
 def pick_category(conditional: Tensor, uniform: float | None,
-          choose: Callable[[Tensor], int] | None) -> int:
-    """The drawn category of a (K,) ``conditional``: ``choose(conditional)``, the argmax, or the
-    inverse CDF at ``uniform`` (the first category whose cumulative probability exceeds it)."""
+                  choose: Callable[[Tensor], int | None] | None) -> int | None:
+    """The drawn category of a (K,) ``conditional``: ``choose(conditional)`` (None: stop the
+    draw), the argmax, or the inverse CDF at ``uniform`` (the first category whose cumulative
+    probability exceeds it)."""
     if choose is not None:
         x = choose(conditional)
+        if x is None:
+            return None
         if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < conditional.shape[0] \
                 or not float(conditional[x]) > 0:
             raise InvalidInputError(f"choose returned {x!r}, not a category with positive "

@@ -130,18 +130,23 @@ def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
 
 def round_decisions(p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
                     length: Tensor | int | None, position: Tensor | None,
-                    draft_tokens: Tensor | None) -> tuple[Tensor, Tensor]:
+                    draft_tokens: Tensor | None, extra: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor]:
     """The decisions of :func:`round_law`, computing only what one round reads (the accept
     program's core; fixed shapes, no host read).
 
     Args:
         p: (n, V) float64 target probabilities.
-        q: (n-1, K) the draft's conditionals over the draft vocabulary.
+        q: (n-1, K) the draft's conditionals over the draft vocabulary; with ``extra``,
+            (n-1, K + 1): column ``K`` of row ``k`` is the probability of the model id
+            ``extra[k]`` (a proposal's token, possibly outside the draft vocabulary; a token in
+            it then has 0 in its own column), added to the row's law.
         tokens: (n-1,) the drafts (model ids).
         tests: (n-1,) uniforms of the accept tests.
         length: ``L``, the verified drafts (``None``: ``n - 1``).
         position: (V,) model id -> draft-vocabulary index, ``None`` without a compressed
             vocabulary; ``draft_tokens`` (K,) its model ids.
+        extra: (n-1,) long model ids of the extra column, or ``None`` (no extra column).
 
     Returns:
         (the number of accepted drafts (), the law of the emitted token (V,)): the same
@@ -154,18 +159,32 @@ def round_decisions(p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
     drafted = tokens.shape[0]
     length = drafted if length is None else length
     q = usable_conditionals(q.double())
-    index = tokens if position is None else position[tokens]  # draft indices
+    q, added = (q, None) if extra is None else (q[:, :-1], q[:, -1])
+    index = tokens if position is None else position[tokens]  # draft indices (-1: outside)
     rows = torch.arange(drafted, device=p.device)
-    ratio = acceptance_ratios(p[rows, tokens], q[rows, index])
+    q_drafted = torch.where(index >= 0, q[rows, index.clamp(min=0)], 0.0)
+    if added is not None:
+        assert extra is not None
+        q_drafted = q_drafted + torch.where(tokens == extra, added, 0.0)
+    ratio = acceptance_ratios(p[rows, tokens], q_drafted)
     ratio = torch.where(rows < length, ratio, 0.0)  # after L: not drafted, never accepted
     accepted = torch.cumprod((tests < ratio).long(), 0).sum()
     p_row = p.index_select(0, accepted[None])[0]  # (V,)
     q_row = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, accepted[None])[0]
-    if draft_tokens is None:
-        residual = (p_row - q_row).clamp_min(0)
-    else:  # q = 0 outside the draft vocabulary: the residual is p there
-        inside = (p_row.index_select(0, draft_tokens) - q_row).clamp_min(0)
-        residual = p_row.index_copy(0, draft_tokens, inside)
+    if added is None:
+        if draft_tokens is None:
+            residual = (p_row - q_row).clamp_min(0)
+        else:  # q = 0 outside the draft vocabulary: the residual is p there
+            inside = (p_row.index_select(0, draft_tokens) - q_row).clamp_min(0)
+            residual = p_row.index_copy(0, draft_tokens, inside)
+    else:  # the row's law over every id: the draft vocabulary's entries, plus the extra one
+        assert extra is not None
+        full = q_row if draft_tokens is None else \
+            torch.zeros_like(p_row).index_copy(0, draft_tokens, q_row)
+        pad = q.new_zeros(1)
+        extra_id = torch.cat([extra, extra[:1]]).index_select(0, accepted[None])
+        extra_q = torch.cat([added, pad]).index_select(0, accepted[None])
+        residual = (p_row - full.index_add(0, extra_id, extra_q)).clamp_min(0)
     mass = residual.sum()
     residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p_row)
     return accepted, torch.where(accepted == length, p_row, residual)

@@ -21,8 +21,10 @@ block is masked by the automaton's state after ``c, d_1..d_{k-1}``, and the usua
   positive, and the round verifies only the drafts before the free part (``L`` is read from the
   drafts, a draft-side quantity, so the law stays exact; see
   :mod:`~circuits_llm.decoding.draft_length`). The verifier's masked residual covers the tokens
-  the head cannot draft. After a ``c`` outside the draft vocabulary the product draws ``X_0``
-  first, a stand-in for ``c`` (:class:`StandInFirst`), and the drafts given it.
+  the head cannot draft, and a copy or walk proposal mixed into the product may carry them
+  (:class:`~circuits_llm.decoding.lookup.SequentialCopy`). After a ``c`` outside the draft
+  vocabulary the product draws ``X_0`` first, a stand-in for ``c`` (:class:`StandInFirst`), and
+  the drafts given it.
   **Forced runs past the draft** (jump-forward): when the automaton, after ``c, d_1..d_L``, allows
   one id only (and again after it, ...), those forced tokens ``f_1..f_J`` join the verify block
   ``[c, d_1..d_L, f_1..f_J]``. Under the masked target each has probability 1, so once the ``L``
@@ -51,7 +53,7 @@ from circuits.automata import Automaton
 from circuits.compiled.automaton_product import AutomatonProduct, pick_category
 from circuits_llm.constraints import ConstraintError, JsonSchema, Regex, TokenAutomaton
 from circuits_llm.decoding.draft_length import DraftLength
-from circuits_llm.decoding.lookup import SequentialCopy, unpack
+from circuits_llm.decoding.lookup import SequentialCopy, outside_entry, unpack
 from circuits_llm.decoding.round import DraftResult
 from circuits_llm.decoding.warping import DecoderError
 
@@ -180,7 +182,7 @@ class StandInFirst:
         self.rest = rest
         self.started = False
 
-    def __call__(self, conditional: Tensor) -> int:
+    def __call__(self, conditional: Tensor) -> int | None:
         if self.started:
             return self.rest(conditional)
         self.started = True
@@ -204,6 +206,7 @@ class ProductDrafter:
 
     def __init__(self, head: Any, automaton: TokenAutomaton) -> None:
         self.head = head
+        self.automaton = automaton
         self.window: int = head.window
         self.product = AutomatonProduct(head.circuit)
         device = head.circuit.device
@@ -237,26 +240,32 @@ class ProductDrafter:
         ``params``: the head's checked parameters for this round; ``uniforms``: (n-1,) float64
         (sampling) or None (greedy); ``rule``: the decoder's draft-length rule, applied to the
         draft's conditionals (``None``: verify every draft before the free part); ``component``:
-        a copy of the context (:func:`~circuits_llm.decoding.lookup.copy_component`) mixed into
-        the product (:class:`~circuits_llm.decoding.lookup.SequentialCopy`; cut here before its
-        first draft the automaton forbids from ``state``); ``stand_in_uniform``: when ``c`` is
-        outside the draft vocabulary, the uniform in [0, 1) that draws ``X_0``'s stand-in from
-        the product's marginal (sampling; greedy: its argmax), on which the drafts and ``q``
-        then condition (:mod:`~circuits_llm.decoding.round`; exact). Returns the
-        :class:`DraftResult` the accept program reads (``length``: the drafts before the free
-        part, at most the rule's) and the seconds it took.
+        a copy of the context (:func:`~circuits_llm.decoding.lookup.copy_component`, possibly
+        with tokens outside the draft vocabulary) mixed into the product
+        (:class:`~circuits_llm.decoding.lookup.SequentialCopy`; cut here before its first token
+        the automaton forbids from ``state``); ``stand_in_uniform``: when ``c`` is outside the
+        draft vocabulary, the uniform in [0, 1) that draws ``X_0``'s stand-in from the product's
+        marginal (sampling; greedy: its argmax), on which the drafts and ``q`` then condition
+        (:mod:`~circuits_llm.decoding.round`; exact). Returns the :class:`DraftResult` the accept
+        program reads (``length``: the drafts before the free part, or the proposal's end when
+        the draft left the vocabulary with it, at most the rule's; ``q`` (n-1, K + 1) with
+        ``extra``, the model ids of its last column) and the seconds it took.
         """
         start = time.perf_counter()
         n, device = self.window, self.device
+        size = self.draft_tokens.numel()
         index = int(self.position[c])
         tokens = torch.zeros(n - 1, dtype=torch.long, device=device)
-        q = torch.zeros(n - 1, self.draft_tokens.numel(), dtype=torch.float64, device=device)
+        q = torch.zeros(n - 1, size + 1, dtype=torch.float64, device=device)
+        extra = torch.zeros(n - 1, dtype=torch.long, device=device)
         length, self.last_size = 0, 0
         possible = state in self.local
         if possible:
             automaton = self.table.restart(self.local[state])
-            copy = None if component is None else \
-                SequentialCopy(self.allowed_copy(component, self.local[state]), uniforms)
+            copy = None
+            if component is not None:
+                allowed, free_outside = self.allowed_copy(component, self.local[state])
+                copy = SequentialCopy(allowed, uniforms, self.draft_tokens, free_outside)
             # c outside the draft vocabulary: X_0 is drawn first, a stand-in for c
             lead = 1 if index < 0 else 0
             prefix = torch.tensor([index] if lead == 0 else [], dtype=torch.long, device=device)
@@ -274,43 +283,74 @@ class ProductDrafter:
                                       choose=choose)
             self.last_size = drawn.size
             drafted = drawn.length - lead
-            possible = drafted > 0
+            outside = None if copy is None else copy.outside
+            possible = drafted > 0 or outside is not None
             if possible:
-                values = drawn.values[1:]
-                walk, local = [], self.local[state]
-                for value in values[:drafted].tolist():
-                    local = int(self.table.next_state[local, value])
-                    walk.append(local)
-                length = next((k for k, s in enumerate(walk) if s == self.sink), drafted)
-                q = drawn.conditionals[lead:] if copy is None else copy.conditionals().to(device)
+                values = drawn.values[1:].clone()
+                if outside is not None:  # the proposal's tokens from row ``outside`` on
+                    tail = copy.tail()  # type: ignore[union-attr]
+                    length = outside + len(tail)
+                    values[outside:] = 0
+                    values[outside:length] = size  # the extra column
+                    chosen = self.draft_tokens.to(device)[values.clamp(max=size - 1)]
+                    chosen[outside:length] = torch.tensor(tail, dtype=torch.long)
+                else:
+                    walk, local = [], self.local[state]
+                    for value in values[:drafted].tolist():
+                        local = int(self.table.next_state[local, value])
+                        walk.append(local)
+                    length = next((k for k, s in enumerate(walk) if s == self.sink), drafted)
+                    # the drafts after the free part are never verified: any draft-vocabulary ids
+                    chosen = self.draft_tokens.to(device)[values]
+                if copy is None:
+                    q[:, :size] = drawn.conditionals[lead:]
+                else:
+                    q, extra = copy.conditionals().to(device), copy.extra().to(device)
                 if rule is not None and rule != DraftLength.fixed():
                     # a draft-side stopping time of the draft: the law stays exact
                     length = min(length, int(rule.decide(q, values)))
-                # the drafts after the free part are never verified: any draft-vocabulary ids
-                tokens = self.draft_tokens.to(device)[values]
+                tokens = chosen.to(device)
                 q = q.to(device)
         block = torch.cat([torch.tensor([c], device=device), tokens])[None]
         flags = torch.tensor([True, possible], device=device)
         result = DraftResult(block[0, 1:], block, None if uniforms is None else q, flags[0],
-                             flags[1], torch.tensor(length, device=device))
+                             flags[1], torch.tensor(length, device=device), extra)
         return result, time.perf_counter() - start
 
-    def allowed_copy(self, component: Tensor, local: int) -> Tensor:
+    def allowed_copy(self, component: Tensor, local: int) -> tuple[Tensor, bool]:
         """``component`` with its proposal cut before the first draft the drafter's automaton
-        forbids (or whose state has no draftable token) from its state ``local``: a function of
-        the history, so the mixture stays a law fixed before the round."""
+        forbids (or whose state has no draftable token) from its state ``local``, and, from the
+        proposal's first token outside the draft vocabulary on, before the first token the
+        constraint's automaton forbids; and whether the drafter's state before that first
+        outside token has no draftable token (``free_outside`` of
+        :class:`~circuits_llm.decoding.lookup.SequentialCopy`). A function of the history, so the
+        mixture stays a law fixed before the round."""
         proposal, length, _ = unpack(component)
         count, allowed = int(length), 0
+        outside: int | None = None
+        free_outside, state = False, local  # drafter states are the automaton's (plus the sink)
         for value in proposal[:count].tolist():
-            local = int(self.table.next_state[local, value])
-            if local < 0 or local == self.sink:
-                break
+            if value >= 0 and outside is None:
+                local = int(self.table.next_state[local, value])
+                if local < 0 or local == self.sink:
+                    break
+                state = local
+            else:
+                if outside is None:
+                    outside = allowed
+                    free_outside = int(self.table.next_state[local, 0]) == self.sink
+                token = outside_entry(value) if value < 0 else int(self.draft_tokens[value])
+                try:
+                    state = self.automaton.advance(state, token)
+                except ConstraintError:
+                    break
             allowed += 1
+        free_outside = free_outside and outside is not None and allowed > outside
         if allowed == count:
-            return component
+            return component, free_outside
         cut = component.clone()
         cut[allowed:proposal.shape[0]] = 0
         cut[-2] = allowed
         if allowed == 0:
             cut[-1] = 0.0
-        return cut
+        return cut, free_outside

@@ -26,8 +26,7 @@ exactly the constrained LM's whatever it proposes; a wrong proposal only costs a
 Measured on the constrained benchmark's greedy outputs (359 positions; ``docs/results.md``
 section 9): the walk's proposal starts with the next token at 47% of positions, the context
 copy's at 27%; but the head x automaton product already drafts most of what the walk gets right,
-and a proposal stops at its first token outside the head's draft vocabulary (11% of the tokens
-there), so decoding gains little.
+so decoding gains little.
 """
 
 from __future__ import annotations
@@ -138,16 +137,16 @@ class ConstraintPath:
 
 def round_component(lookup: ContextLookup, index: LookupIndex, path: ConstraintPath | None,
                     state: int, position: Sequence[int] | None, drafts: int,
-                    device: torch.device) -> Tensor:
+                    device: torch.device, beyond: bool = False) -> Tensor:
     """A round's proposal component (:func:`~circuits_llm.decoding.lookup.copy_component`'s
-    (drafts + 2,) float64 form): the context copy of ``index`` when it proposes a draftable
-    token with a weight above 0, else the constraint's walk from ``state`` with
-    ``lookup.constraint_weight`` (when ``path`` is given). Both read only the verified output, so
-    the choice does too."""
+    (drafts + 2,) float64 form): the context copy of ``index`` when it proposes a token with a
+    weight above 0, else the constraint's walk from ``state`` with ``lookup.constraint_weight``
+    (when ``path`` is given). Both read only the verified output, so the choice does too.
+    ``beyond``: keep tokens outside the draft vocabulary (``copy_component``)."""
     proposal, ngram = index.propose(drafts)
-    component = copy_component(proposal, ngram, lookup, position, drafts, device)
+    component = copy_component(proposal, ngram, lookup, position, drafts, device, beyond)
     if path is None or lookup.constraint_weight == 0 or \
             (component[-2] > 0 and component[-1] > 0):
         return component
     return proposal_component(path.propose(state, drafts), lookup.constraint_weight, position,
-                              drafts, device)
+                              drafts, device, beyond)

@@ -248,9 +248,11 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if self._index is None or self.lookup is None:
             return None
         start = time.perf_counter()
+        beyond = tracker is not None and self.lookup.outside_vocabulary \
+            and self.constrained_drafting is ConstrainedDrafting.PRODUCT
         component = round_component(self.lookup, self._index, self._path,
                                     -1 if tracker is None else tracker.state, self._position,
-                                    program.window - 1, self.device)
+                                    program.window - 1, self.device, beyond)
         if self._path is not None and tracker is not None:
             tracker.pending += time.perf_counter() - start
         return component

@@ -39,7 +39,10 @@ the head, the copy cut before its first token the automaton forbids). Drawn one 
 time, the copy component continues after its ``m`` tokens with the product's *conditional* given
 them, not its marginal, so past the copy every conditional of the mixture is the product's own
 ``h_k`` (the posterior weight of the copy no longer matters there) and the round may verify the
-whole window: no cut at ``m``.
+whole window: no cut at ``m``. There a proposal may also carry tokens outside the head's draft
+vocabulary (``ContextLookup.outside_vocabulary``): a draft that follows it to such a token
+leaves the product and copies the proposal to its end, where the round's verification stops;
+``q`` gets one extra column for the proposal's token (:class:`SequentialCopy`).
 
 Under a constraint with ``PRODUCT`` drafting, a round whose copy proposes nothing draftable
 may propose instead the constraint's own walk (:mod:`~circuits_llm.decoding.constraint_path`: the
@@ -64,8 +67,8 @@ from torch import Tensor
 from circuits.compiled.automaton_product import pick_category
 from circuits_llm.decoding.warping import DecoderError
 
-__all__ = ["ContextLookup", "LookupIndex", "SequentialCopy", "copy_component", "mixed_conditionals",
-           "proposal_component"]
+__all__ = ["ContextLookup", "LookupIndex", "SequentialCopy", "copy_component", "copy_posterior",
+           "mixed_conditionals", "outside_entry", "proposal_component"]
 
 
 @dataclass(frozen=True)
@@ -85,10 +88,15 @@ class ContextLookup:
             last time), mixed in a round where the context copy proposes no draftable token.
             In ``[0, 1]``; 0 (default) never walks: on the constrained benchmark the walk was
             within the noise of the copy alone (``docs/results.md`` section 9).
+        outside_vocabulary: under a constraint with ``PRODUCT`` drafting, keep a proposal's
+            tokens outside the head's draft vocabulary (drafted from the proposal alone, carried
+            in one extra column of ``q``: :class:`SequentialCopy`) instead of cutting the
+            proposal before the first of them (what the compiled free path always does).
     """
 
     weights: tuple[float, ...] = (0.1, 0.3, 0.5)
     constraint_weight: float = 0.0
+    outside_vocabulary: bool = True
 
     def __post_init__(self) -> None:
         weights = self.weights
@@ -105,6 +113,9 @@ class ContextLookup:
                 or not 0.0 <= weight <= 1.0:
             raise DecoderError(f"ContextLookup.constraint_weight must be a number in [0, 1], got "
                                f"{weight!r}")
+        if not isinstance(self.outside_vocabulary, bool):
+            raise DecoderError(f"ContextLookup.outside_vocabulary must be a bool, got "
+                               f"{self.outside_vocabulary!r}")
 
     @property
     def max_ngram(self) -> int:
@@ -113,9 +124,10 @@ class ContextLookup:
 
     def describe(self) -> str:
         """A short label, e.g. ``"lookup 0.1/0.3/0.5"`` (``", constraint 0.5"`` after it with a
-        walk)."""
+        walk, ``", cut at the draft vocabulary"`` without ``outside_vocabulary``)."""
         walk = f", constraint {self.constraint_weight:g}" if self.constraint_weight else ""
-        return "lookup " + "/".join(f"{w:g}" for w in self.weights) + walk
+        cut = "" if self.outside_vocabulary else ", cut at the draft vocabulary"
+        return "lookup " + "/".join(f"{w:g}" for w in self.weights) + walk + cut
 
 
 class LookupIndex:
@@ -160,7 +172,8 @@ class LookupIndex:
 
 
 def copy_component(proposal: list[int], ngram: int, lookup: ContextLookup,
-                   position: Sequence[int] | None, drafts: int, device: torch.device) -> Tensor:
+                   position: Sequence[int] | None, drafts: int, device: torch.device,
+                   beyond: bool = False) -> Tensor:
     """The copy component of one round as the draft program's input: (drafts + 2,) float64
     ``[s_1..s_{n-1}, m, w]`` (the proposal as draft-vocabulary indices, zero-padded; ``m`` its
     length; ``w`` its weight).
@@ -168,20 +181,31 @@ def copy_component(proposal: list[int], ngram: int, lookup: ContextLookup,
     ``proposal``: model ids from :meth:`LookupIndex.propose`; ``ngram`` its matched length;
     ``position``: model id -> draft-vocabulary index (-1 outside it), ``None`` without a compressed
     vocabulary. The proposal is cut before its first token outside the draft vocabulary (the head's
-    ``q`` lives on that vocabulary; the verifier's residual covers the rest).
+    ``q`` lives on that vocabulary; the verifier's residual covers the rest), unless ``beyond``:
+    then such a token ``t`` is kept as the entry ``-(t + 1)`` (:func:`outside_entry`), for the
+    head x constraint drafter, which carries it in an extra column of ``q``
+    (:class:`SequentialCopy`).
     """
     weight = lookup.weights[ngram - 1] if proposal else 0.0
-    return proposal_component(proposal, weight, position, drafts, device)
+    return proposal_component(proposal, weight, position, drafts, device, beyond)
+
+
+def outside_entry(token: int) -> int:
+    """A component's entry for the model id ``token`` outside the draft vocabulary: ``-(token +
+    1)`` (negative, so never a draft-vocabulary index; its own inverse)."""
+    return -token - 1
 
 
 def proposal_component(proposal: list[int], weight: float, position: Sequence[int] | None,
-                       drafts: int, device: torch.device) -> Tensor:
+                       drafts: int, device: torch.device, beyond: bool = False) -> Tensor:
     """:func:`copy_component` of any proposal (model ids) with its mixture weight ``weight``."""
     indices: list[int] = []
     for token in proposal[:drafts]:
         index = token if position is None else position[token]
         if index < 0:
-            break
+            if not beyond:
+                break
+            index = outside_entry(token)
         indices.append(index)
     weight = weight if indices else 0.0
     values = indices + [0] * (drafts - len(indices)) + [len(indices), weight]
@@ -218,6 +242,20 @@ def overlay(drafted: Tensor, component: Tensor, choose: Tensor | None) -> tuple[
     return drafts_out, cut
 
 
+def copy_posterior(head: Tensor, drafts: Tensor, component: Tensor) -> Tensor:
+    """(n-1,) float64 ``pi_{k-1}``: the copy component's posterior weight given the drafted prefix
+    ``d_{<k}`` (module docstring; 0 off the proposal and after its ``m`` tokens). Arguments as
+    :func:`mixed_conditionals`."""
+    proposal, length, weight = unpack(component)
+    steps = torch.arange(drafts.shape[0], device=drafts.device)
+    drafted = head.gather(1, drafts[:, None])[:, 0].clamp_min(0).log()  # log h_k(d_k)
+    before = torch.cat([drafted.new_zeros(1), drafted.cumsum(0)[:-1]])  # log H(d_{<k})
+    matched = torch.cumprod((drafts == proposal).long(), 0)
+    matched_before = torch.cat([matched.new_ones(1), matched[:-1]]).bool()  # d_{<k} = s_{<k}
+    odds = torch.log(weight) - torch.log1p(-weight) - before  # log of w / ((1 - w) H(d_{<k}))
+    return torch.where(matched_before & (steps < length) & (weight > 0), torch.sigmoid(odds), 0.0)
+
+
 def mixed_conditionals(head: Tensor, drafts: Tensor, component: Tensor) -> Tensor:
     """The mixture's exact conditionals along the drafted path (module docstring).
 
@@ -230,15 +268,8 @@ def mixed_conditionals(head: Tensor, drafts: Tensor, component: Tensor) -> Tenso
         (n-1, K) float64 ``q_k = pi_{k-1} onehot(s_k) + (1 - pi_{k-1}) h_k``; ``pi`` is 0 off the
         proposal and after its ``m`` tokens.
     """
-    proposal, length, weight = unpack(component)
-    steps = torch.arange(drafts.shape[0], device=drafts.device)
-    drafted = head.gather(1, drafts[:, None])[:, 0].clamp_min(0).log()  # log h_k(d_k)
-    before = torch.cat([drafted.new_zeros(1), drafted.cumsum(0)[:-1]])  # log H(d_{<k})
-    matched = torch.cumprod((drafts == proposal).long(), 0)
-    matched_before = torch.cat([matched.new_ones(1), matched[:-1]]).bool()  # d_{<k} = s_{<k}
-    odds = torch.log(weight) - torch.log1p(-weight) - before  # log of w / ((1 - w) H(d_{<k}))
-    pi = torch.where(matched_before & (steps < length) & (weight > 0), torch.sigmoid(odds), 0.0)
-    onehot = torch.nn.functional.one_hot(proposal, head.shape[1]).to(head.dtype)
+    pi = copy_posterior(head, drafts, component)
+    onehot = torch.nn.functional.one_hot(unpack(component)[0], head.shape[1]).to(head.dtype)
     return pi[:, None] * onehot + (1 - pi[:, None]) * head
 
 
@@ -249,34 +280,64 @@ class SequentialCopy:
 
     Called with the drafter's conditional ``h_k`` (K,) for ``k = 1, 2, ..`` in turn, it returns
     the draft: the copy's ``s_k`` when greedy and the drafts so far are the copy's, else the draw
-    of the mixture's conditional ``q_k`` (:func:`mixed_conditionals`, the same function the round
-    program uses) at the round's uniform (inverse CDF), else the argmax of ``h_k``.
+    of the mixture's conditional ``q_k`` (:func:`mixed_conditionals`) at the round's uniform
+    (inverse CDF), else the argmax of ``h_k``.
 
     The law drawn is ``w C + (1 - w) H`` with ``C = [d_{<=m} = s] H(d_{>m} | d_{<=m})``: after
     the copy's ``m`` tokens each conditional is the drafter's own, so every position of the
     window may be verified (no cut at ``m``; module docstring).
 
+    **Tokens outside the draft vocabulary.** A proposal built with ``beyond``
+    (:func:`copy_component`) may hold, from its ``j``-th token on, tokens the drafter cannot draw
+    (entry ``-(t + 1)`` for the model id ``t``). Then ``C = [d_{<=m} = s]`` and nothing after
+    ``m``: a draft that reaches row ``j`` on the proposal leaves the drafter there with the copy's
+    posterior weight ``pi_{j-1}`` (the call returns None: the drafter stops), its rows ``j..m``
+    are the proposal's tokens, and the round verifies at most ``m`` drafts (a stopping time: it
+    is decided by ``d_{<=j}``). Every row's law then has one entry more than the draft vocabulary
+    (:meth:`conditionals`: ``(n-1, K + 1)``, column ``K`` the model id :meth:`extra` names): row
+    ``j`` is ``(1 - pi) h_j`` on the vocabulary plus ``pi`` on ``s_j``, and rows after ``j``
+    put 1 on ``s_k``. When the drafter's state before row ``j`` has no draftable token
+    (``free_outside``: its draft there would end the verified part), row ``j`` is verified only
+    on the proposal, so its law given that it is verified is the point mass at ``s_j``.
+
     Args:
         component: (n+1,) float64 from :func:`copy_component`, its proposal already cut to
-            drafts the drafter can make.
+            drafts the drafter can make (and, beyond them, to tokens the constraint allows).
         uniforms: (n-1,) float64 in [0, 1) (sampling) or None (greedy).
+        draft_tokens: (K,) long, draft-vocabulary index -> model id (None: the identity).
+        free_outside: the drafter's state before the proposal's first token outside the draft
+            vocabulary has no draftable token.
     """
 
-    def __init__(self, component: Tensor, uniforms: Tensor | None) -> None:
+    def __init__(self, component: Tensor, uniforms: Tensor | None,
+                 draft_tokens: Tensor | None = None, free_outside: bool = False) -> None:
         self.component = component.cpu()
         self.drafts = component.shape[0] - 2
         self.uniforms = None if uniforms is None else uniforms.tolist()
         self.rows = torch.zeros(self.drafts, 0, dtype=torch.float64)
         self.path: list[int] = []
+        self.draft_tokens = None if draft_tokens is None else draft_tokens.cpu()
+        self.free_outside = free_outside
+        #: the row where the draw left the draft vocabulary on the proposal (None: it did not)
+        self.outside: int | None = None
 
     def mixed(self, rows: Tensor, path: list[int]) -> Tensor:
-        """:func:`mixed_conditionals` of the first ``len(path)`` rows (the rest padded)."""
-        padded = torch.zeros(self.drafts, rows.shape[1], dtype=torch.float64)
-        padded[:rows.shape[0]] = rows.cpu()
+        """The mixture's conditionals (len(rows), K + 1) of the first ``len(rows)`` rows along
+        ``path`` (padded), column ``K``: the proposal's token at that row when it lies outside
+        the draft vocabulary."""
+        count, size = rows.shape[0], rows.shape[1]
+        padded = torch.zeros(self.drafts, size, dtype=torch.float64)
+        padded[:count] = rows.cpu()
         drafts = torch.tensor(path + [0] * (self.drafts - len(path)), dtype=torch.long)
-        return mixed_conditionals(padded, drafts, self.component)[:rows.shape[0]]
+        pi = copy_posterior(padded, drafts, self.component)[:count]
+        out = torch.cat([(1 - pi[:, None]) * padded[:count], torch.zeros(count, 1,
+                                                                          dtype=torch.float64)], 1)
+        proposal = unpack(self.component)[0][:count]
+        column = torch.where(proposal >= 0, proposal, size)
+        out[torch.arange(count), column] += pi
+        return out
 
-    def __call__(self, conditional: Tensor) -> int:
+    def __call__(self, conditional: Tensor) -> int | None:
         k = len(self.path)
         rows = torch.cat([self.rows[:k], conditional.cpu().double()[None]]) if k else \
             conditional.cpu().double()[None]
@@ -287,11 +348,47 @@ class SequentialCopy:
             pick = int(proposal[k]) if copying else int(conditional.argmax())
         else:
             pick = pick_category(self.mixed(rows, [*self.path, 0])[k], self.uniforms[k], None)
+            assert pick is not None
+        if pick < 0 or pick == conditional.shape[0]:  # the proposal's token outside the vocabulary
+            self.outside = k
+            return None
         self.path.append(pick)
         return pick
 
+    def _tokens(self) -> list[int]:
+        """The proposal's model ids."""
+        proposal, count, _ = unpack(self.component)
+        ids = []
+        for entry in proposal[:int(count)].tolist():
+            if entry < 0:
+                ids.append(outside_entry(entry))
+            else:
+                ids.append(entry if self.draft_tokens is None else int(self.draft_tokens[entry]))
+        return ids
+
+    def tail(self) -> list[int]:
+        """After the draw left the vocabulary: the proposal's model ids from that row on."""
+        assert self.outside is not None
+        return self._tokens()[self.outside:]
+
+    def extra(self) -> Tensor:
+        """(n-1,) long: the model id column ``K`` of :meth:`conditionals` stands for, per row
+        (the proposal's token; 0 after it)."""
+        ids = self._tokens()
+        return torch.tensor(ids + [0] * (self.drafts - len(ids)), dtype=torch.long)
+
     def conditionals(self) -> Tensor:
-        """(n-1, K) the mixture's conditionals along the drawn path (rows after it: zero)."""
-        out = torch.zeros(self.drafts, self.rows.shape[1], dtype=torch.float64)
-        out[:len(self.path)] = self.mixed(self.rows, self.path)
+        """(n-1, K + 1) the mixture's conditionals along the drawn path (rows after it: zero;
+        class docstring)."""
+        size = self.rows.shape[1]
+        out = torch.zeros(self.drafts, size + 1, dtype=torch.float64)
+        if self.outside is None:
+            out[:len(self.path)] = self.mixed(self.rows, self.path)
+            return out
+        j = self.outside
+        out[:j + 1] = self.mixed(self.rows[:j + 1], self.path)
+        if self.free_outside:
+            out[j] = 0.0
+            out[j, size] = 1.0
+        out[j + 1:len(self._tokens()), size] = 1.0
         return out

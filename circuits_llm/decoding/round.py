@@ -116,6 +116,10 @@ class DraftResult:
         length: () long, ``L``: how many drafts the round verifies (0..n-1; the
             :class:`~circuits_llm.decoding.draft_length.DraftLength` rule); ``None``: ``n - 1``.
             The verify block is ``block[:, :L + 1]``.
+        extra: (n-1,) long model ids of ``q``'s extra column, or None (``q`` has only the draft
+            vocabulary's ``K``): a proposal's tokens, which may lie outside the draft vocabulary
+            (:class:`~circuits_llm.decoding.constrained.ProductDrafter`; see
+            :func:`~circuits_llm.decoding.acceptance.round_decisions`).
     """
 
     tokens: Tensor
@@ -124,6 +128,7 @@ class DraftResult:
     head_ok: Tensor
     possible: Tensor
     length: Tensor | None = None
+    extra: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -386,28 +391,32 @@ class RoundProgram:
             missing = self.window - logits.shape[0]
             if missing:
                 logits = torch.nn.functional.pad(logits, (0, 0, 0, missing))
+            if draft.extra is None:
+                return self._accept(logits, draft.tokens, draft.q, draft.head_ok,
+                                    draft.possible, uniforms, draft.length)
             return self._accept(logits, draft.tokens, draft.q, draft.head_ok, draft.possible,
-                                uniforms, draft.length)
+                                uniforms, draft.length, draft.extra)
 
     def _accept_program(self, logits: Tensor, tokens: Tensor, q: Tensor | None, head_ok: Tensor,
                         possible: Tensor, uniforms: Tensor | None,
-                        length: Tensor | None = None) -> Tensor:
+                        length: Tensor | None = None, extra: Tensor | None = None) -> Tensor:
         """The compiled accept program: :meth:`_accept_eager` and the packing of its decisions with
         the draft into :meth:`accept`'s one tensor (one output: one copy under CUDA graphs).
-        ``length`` () long: ``L`` (``None``: ``n - 1``)."""
+        ``length`` () long: ``L`` (``None``: ``n - 1``); ``extra``: :attr:`DraftResult.extra`."""
         if length is None:
             length = torch.full((), self.window - 1, dtype=torch.long, device=tokens.device)
         accepted, token, verifier_ok = self._accept_eager(logits, tokens, q, possible, uniforms,
-                                                          length)
+                                                          length, extra)
         flags = torch.stack([head_ok, verifier_ok, possible]).long()
         return torch.cat([tokens, length[None], accepted[None], token[None], flags])
 
     def _accept_eager(self, logits: Tensor, tokens: Tensor, q: Tensor | None, possible: Tensor,
-                      uniforms: Tensor | None, length: Tensor | int | None = None
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+                      uniforms: Tensor | None, length: Tensor | int | None = None,
+                      extra: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``logits`` (n, V) (rows after ``L + 1`` are padding, never read for a decision),
-        ``tokens`` (n-1,) model ids, ``q`` (n-1, K) or None (greedy), ``length`` ``L`` (() long
-        tensor or int; ``None``: ``n - 1``) -> (accepted (), emitted token (), verifier ok ())."""
+        ``tokens`` (n-1,) model ids, ``q`` (n-1, K) or None (greedy; with ``extra`` (n-1,) long:
+        (n-1, K + 1), :attr:`DraftResult.extra`), ``length`` ``L`` (() long tensor or int;
+        ``None``: ``n - 1``) -> (accepted (), emitted token (), verifier ok ())."""
         drafted = self.window - 1
         verified = torch.arange(drafted, device=tokens.device) < (drafted if length is None
                                                                    else length)
@@ -424,7 +433,7 @@ class RoundProgram:
         ok = (torch.isfinite(warped.amax(-1)) | ~rows).all()
         p = torch.softmax(warped.double(), -1)  # (n, V)
         tests = uniforms[-self.window:]
-        accepted, row = self._decide(p, q, tokens, tests[:drafted], length)
+        accepted, row = self._decide(p, q, tokens, tests[:drafted], length, extra)
         return accepted, draw_from_row(row, tests[drafted]), ok
 
     def _verified_rows(self, logits: Tensor, length: Tensor | int | None) -> Tensor:
@@ -434,10 +443,12 @@ class RoundProgram:
         return torch.arange(logits.shape[0], device=logits.device) < bound
 
     def _decide(self, p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
-                length: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+                length: Tensor | int | None = None, extra: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
         """:func:`~circuits_llm.decoding.acceptance.round_decisions` with this program's draft
         vocabulary."""
-        return round_decisions(p, q, tokens, tests, length, self.position, self.draft_tokens)
+        return round_decisions(p, q, tokens, tests, length, self.position, self.draft_tokens,
+                               extra)
 
     @staticmethod
     def outcome(packed: Tensor) -> RoundOutcome:
