@@ -180,18 +180,25 @@ def test_the_walk_verified_with_the_products_conditionals_is_biased() -> None:
     assert abs(sum(law.values()) - 1) < 1e-12 and total_variation(law, want) > BIASED_TV
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph-double"])
-def test_greedy_with_the_walk_is_constrained_autoregressive(compiled: bool) -> None:
+def assert_greedy_is_constrained_autoregressive(head: ToyHead, lookup: ContextLookup,
+                                                compiled: bool) -> None:
+    """Greedy output with ``head`` and ``lookup`` (eager, or compiled through the CUDA-graph
+    double, with a confident draft-length rule) equals constrained AR's on three prompts."""
     vocab = len(WORDS)
-    head = ToyHead("btree", 4, 2, 6, vocab, seed=4)
     reference = AutoregressiveDecoder(ToyLM(vocab, seed=LM_SEED, draft_branch=True))
     with use_compiler(CudaGraphDouble()):
         decoder = SpeculativeDecoder(ToyLM(vocab, seed=LM_SEED, draft_branch=True), head,
-                                     lookup=WALK_ONLY, compile=compiled,
+                                     lookup=lookup, compile=compiled,
                                      draft_length=DraftLength.confident(0.2))
     for prompt in ([1], [1, 2, 4], [2, 2, 2]):
         got = decoder.generate(prompt, 16, constraint=AUTOMATON).tokens.tolist()
         assert got == reference.generate(prompt, 16, constraint=AUTOMATON).tokens.tolist()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph-double"])
+def test_greedy_with_the_walk_is_constrained_autoregressive(compiled: bool) -> None:
+    assert_greedy_is_constrained_autoregressive(ToyHead("btree", 4, 2, 6, len(WORDS), seed=4),
+                                                WALK_ONLY, compiled)
 
 
 def test_sampled_generate_with_the_walk_matches_the_law() -> None:

@@ -23,10 +23,15 @@ from typing import Any
 
 import pytest
 import torch
-from cuda_graph_double import CudaGraphDouble
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_constraint_path import AUTOMATON, LM_SEED, WALK_ONLY, WORDS
+from test_constraint_path import (
+    AUTOMATON,
+    LM_SEED,
+    WALK_ONLY,
+    WORDS,
+    assert_greedy_is_constrained_autoregressive,
+)
 from toy import ToyHead, ToyLM, law_p_value, total_variation
 from toy_constrained import (
     _product_drafts,
@@ -38,11 +43,9 @@ from toy_constrained import (
 from circuits_llm.decoding import lookup as lookup_module
 from circuits_llm.decoding.acceptance import round_decisions, round_law
 from circuits_llm.decoding.constrained import ConstrainedDrafting, ProductDrafter
-from circuits_llm.decoding.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
-from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.decoder import DecoderError, SpeculativeDecoder
 from circuits_llm.decoding.lookup import ContextLookup, outside_entry, proposal_component
 from circuits_llm.decoding.warping import SamplingConfig
-from circuits_llm.runtime.compiling import use_compiler
 
 EXACT_TV = 1e-9
 PRODUCT = ConstrainedDrafting.PRODUCT
@@ -235,14 +238,7 @@ def test_greedy_output_is_constrained_autoregressive(compiled: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_tails(monkeypatch)
     head = ToyHead("btree", 4, 2, 6, VOCAB, seed=4, draft_tokens=NO_A)
-    reference = AutoregressiveDecoder(ToyLM(VOCAB, seed=LM_SEED, draft_branch=True))
-    with use_compiler(CudaGraphDouble()):
-        decoder = SpeculativeDecoder(ToyLM(VOCAB, seed=LM_SEED, draft_branch=True), head,
-                                     lookup=COPY_AND_WALK, compile=compiled,
-                                     draft_length=DraftLength.confident(0.2))
-    for prompt in ([1], [1, 2, 4], [2, 2, 2]):
-        got = decoder.generate(prompt, 16, constraint=AUTOMATON).tokens.tolist()
-        assert got == reference.generate(prompt, 16, constraint=AUTOMATON).tokens.tolist()
+    assert_greedy_is_constrained_autoregressive(head, COPY_AND_WALK, compiled)
     assert calls
 
 
