@@ -316,8 +316,12 @@ class SequentialCopy:
         self.uniforms = None if uniforms is None else uniforms.tolist()
         self.rows = torch.zeros(self.drafts, 0, dtype=torch.float64)
         self.path: list[int] = []
-        self.draft_tokens = None if draft_tokens is None else draft_tokens.cpu()
         self.free_outside = free_outside
+        proposal, count, _ = unpack(self.component)
+        #: the proposal's model ids
+        self.tokens = [outside_entry(entry) if entry < 0 else
+                       entry if draft_tokens is None else int(draft_tokens[entry])
+                       for entry in proposal[:int(count)].tolist()]
         #: the row where the draw left the draft vocabulary on the proposal (None: it did not)
         self.outside: int | None = None
 
@@ -355,26 +359,15 @@ class SequentialCopy:
         self.path.append(pick)
         return pick
 
-    def _tokens(self) -> list[int]:
-        """The proposal's model ids."""
-        proposal, count, _ = unpack(self.component)
-        ids = []
-        for entry in proposal[:int(count)].tolist():
-            if entry < 0:
-                ids.append(outside_entry(entry))
-            else:
-                ids.append(entry if self.draft_tokens is None else int(self.draft_tokens[entry]))
-        return ids
-
     def tail(self) -> list[int]:
         """After the draw left the vocabulary: the proposal's model ids from that row on."""
         assert self.outside is not None
-        return self._tokens()[self.outside:]
+        return self.tokens[self.outside:]
 
     def extra(self) -> Tensor:
         """(n-1,) long: the model id column ``K`` of :meth:`conditionals` stands for, per row
         (the proposal's token; 0 after it)."""
-        ids = self._tokens()
+        ids = self.tokens
         return torch.tensor(ids + [0] * (self.drafts - len(ids)), dtype=torch.long)
 
     def conditionals(self) -> Tensor:
@@ -390,5 +383,5 @@ class SequentialCopy:
         if self.free_outside:
             out[j] = 0.0
             out[j, size] = 1.0
-        out[j + 1:len(self._tokens()), size] = 1.0
+        out[j + 1:len(self.tokens), size] = 1.0
         return out
