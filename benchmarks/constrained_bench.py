@@ -23,7 +23,10 @@ thread, in one process:
 * ``<head> product walk``: the same, and the constraint's walk mixed in in the rounds where the
   copy proposes no draftable token (:mod:`~circuits_llm.decoding.constraint_path`: the text the
   automaton fixes, and at its choices what the output chose last time;
-  ``ContextLookup(constraint_weight=0.5)``).
+  ``ContextLookup(constraint_weight=0.5)``);
+* ``btree product copy as drafted``: the ``btree product copy`` arm with its greedy drafts verified
+  as the product spells them (``respell_greedy_drafts=False``; every other arm's greedy rounds
+  re-encode their drafts' text with the tokenizer: :mod:`~circuits_llm.decoding.respelling`).
 
 Reported per arm and mode (greedy, sampling at temperature 1): tokens per round, acceptance per
 draft position, decoding tokens/s and the ratio to constrained AR, the constraint work per round
@@ -225,6 +228,9 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
                 decoders[f"{name} product {label} conf{CONFIDENCE:g}"] = SpeculativeDecoder(
                     ready.backbone, ready.head, lookup=lookup,
                     draft_length=DraftLength.confident(CONFIDENCE))
+        if name == "btree":  # greedy drafts verified as the product spells them
+            decoders[f"{name} product copy as drafted"] = SpeculativeDecoder(
+                ready.backbone, ready.head, lookup=ContextLookup(), respell_greedy_drafts=False)
     if arms_matching is not None:
         parts = [part for part in arms_matching.split(",") if part]
         decoders = {arm: decoder for arm, decoder in decoders.items()

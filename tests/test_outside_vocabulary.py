@@ -44,7 +44,12 @@ from circuits_llm.decoding import lookup as lookup_module
 from circuits_llm.decoding.acceptance import round_decisions, round_law
 from circuits_llm.decoding.constrained import ConstrainedDrafting, ProductDrafter
 from circuits_llm.decoding.decoder import DecoderError, SpeculativeDecoder
-from circuits_llm.decoding.lookup import ContextLookup, outside_entry, proposal_component
+from circuits_llm.decoding.lookup import (
+    ContextLookup,
+    SequentialCopy,
+    outside_entry,
+    proposal_component,
+)
 from circuits_llm.decoding.warping import SamplingConfig
 
 EXACT_TV = 1e-9
@@ -167,12 +172,53 @@ def test_sampled_drafts_follow_the_enumerated_law(draft_tokens: tuple[int, ...],
 
 def test_greedy_drafts_copy_to_the_proposals_end() -> None:
     drafter, params, state = _drafter_case(NO_A, [2, 4])
-    result, _ = drafter.draft(params, 4, state, None, None, _component(drafter, [2, 4, 5], 0.1))
+    result, _ = drafter.draft(params, 4, state, None, None, _component(drafter, [2, 4, 5], 0.9))
     assert result.tokens.tolist() == [2, 4, 5] and int(result.length) == 3
     # a token the constraint forbids after the proposal's outside token cuts it there
     # (``ab c`` ends the text: a second ``c`` is not allowed)
-    result, _ = drafter.draft(params, 4, state, None, None, _component(drafter, [2, 5, 5], 0.1))
+    result, _ = drafter.draft(params, 4, state, None, None, _component(drafter, [2, 5, 5], 0.9))
     assert result.tokens[:2].tolist() == [2, 5] and int(result.length) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 5), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1),
+       st.booleans())
+def test_the_rows_drawn_are_the_mixtures_conditionals(size: int, drafts: int, weight: float,
+                                                       seed: int, greedy: bool) -> None:
+    """The rows ``SequentialCopy`` draws from (kept as it goes, the copy's weight a running sum)
+    are :func:`mixed_conditionals` recomputed over the window along the drawn path, and a greedy
+    draw takes each row's mode."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.softmax(3 * torch.randn(drafts, size, generator=generator, dtype=torch.float64), -1)
+    rows[:, 0] = 0.0  # a zero entry: a copy of it has H(d) = 0 and posterior weight 1 after it
+    rows = rows / rows.sum(-1, keepdim=True)
+    proposal = torch.randint(0, size, (drafts,), generator=generator).tolist()
+    component = proposal_component(proposal, weight, None, drafts, CPU)
+    uniforms = None if greedy else torch.rand(drafts, generator=generator, dtype=torch.float64)
+    copy = SequentialCopy(component, uniforms)
+    for row in rows:
+        pick = copy(row)
+        assert pick is not None
+        if greedy:
+            assert pick == int(copy.conditionals()[len(copy.path) - 1].argmax())
+    want = lookup_module.mixed_conditionals(rows, torch.tensor(copy.path), component)
+    got = copy.conditionals()
+    assert torch.allclose(got[:, :size], want, rtol=0, atol=1e-12)
+    assert (got[:, size] == 0).all()
+
+
+def test_greedy_drafts_the_mode_of_the_mixture() -> None:
+    """A greedy draft takes the copy's token only where the mixture's conditional is largest
+    there: a weak copy gives way to a drafter that is sure of another token, a strong one does
+    not; at a proposal token outside the draft vocabulary the draw then leaves the drafter."""
+    head = torch.tensor([0.05, 0.9, 0.05], dtype=torch.float64)
+    for weight, want in ((0.1, 1), (0.6, 0)):  # rows: 0.9 h + 0.1 [1 0 0]; 0.4 h + 0.6 [1 0 0]
+        assert SequentialCopy(proposal_component([0, 2], weight, None, 2, CPU), None)(head) == want
+    position = [0, 1, 2] + [-1] * 5  # model id 7 lies outside the draft vocabulary
+    for weight, want in ((0.1, 1), (0.6, None)):
+        component = proposal_component([7, 2], weight, position, 2, CPU, beyond=True)
+        copy = SequentialCopy(component, None, torch.tensor([0, 1, 2]))
+        assert copy(head) == want and (copy.outside == 0) == (want is None)
 
 
 def test_the_outside_entry_round_trips() -> None:

@@ -143,7 +143,9 @@ class AutoregressiveDecoder:
                 xgrammar define it (the mask is applied before warping; the prompt is not read;
                 decoding also stops at the automaton's EOS). See
                 :mod:`~circuits_llm.decoding.constrained`.
-            tokenizer: the model's tokenizer, to build a Regex or JsonSchema constraint.
+            tokenizer: the model's tokenizer, to build a Regex or JsonSchema constraint (a
+                speculative decoder's greedy rounds under a constraint also respell their
+                drafts with it: :mod:`~circuits_llm.decoding.respelling`).
 
         Returns:
             :class:`DecodeResult`; ``tokens`` (T,) holds the new tokens only.
@@ -167,7 +169,7 @@ class AutoregressiveDecoder:
         if constraint is not None:  # decoding also ends at the automaton's EOS
             tracker = ConstraintTracker(resolve_constraint(
                 constraint, tokenizer, self.backbone.vocab_size,
-                tuple(sorted(eos)) or self.default_eos_token_ids()))
+                tuple(sorted(eos)) or self.default_eos_token_ids()), tokenizer=tokenizer)
             eos.add(tracker.eos_token_id)
         condition = StopCondition(
             max_new_tokens if stop is None else min(max_new_tokens, stop.max_new_tokens),

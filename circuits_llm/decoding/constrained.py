@@ -107,11 +107,14 @@ class ConstraintTracker:
         state: its state after every emitted token (the prompt is not read).
         pending: host seconds of constraint work (masks, automaton steps, product draws) not yet
             reported (:meth:`take`).
+        tokenizer: the tokenizer passed to ``generate`` (None: not given), for greedy drafts
+            respelled as it spells them (:mod:`~circuits_llm.decoding.respelling`).
     """
 
     automaton: TokenAutomaton
     state: int = field(init=False)
     pending: float = 0.0
+    tokenizer: Any = None
 
     def __post_init__(self) -> None:
         self.state = self.automaton.initial_state

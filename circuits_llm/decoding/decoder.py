@@ -48,6 +48,7 @@ the exact-law enumerator of the tests both use them.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -66,7 +67,8 @@ from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.inputs import check_draft_tokens, head_parameters
 from circuits_llm.decoding.lookup import ContextLookup, LookupIndex
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats
-from circuits_llm.decoding.round import RoundOutcome, RoundProgram
+from circuits_llm.decoding.respelling import DraftRespeller
+from circuits_llm.decoding.round import DraftResult, RoundOutcome, RoundProgram
 from circuits_llm.decoding.stopping import StopCondition
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
 from circuits_llm.protocols import Backbone, BackboneStep, DraftHead, draft_head_problem
@@ -118,13 +120,18 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             token the constraint forbids), where a round whose copy proposes nothing draftable
             proposes the constraint's walk instead (:mod:`~circuits_llm.decoding.constraint_path`;
             ``ContextLookup.constraint_weight``).
+        respell_greedy_drafts: under a constraint with ``PRODUCT`` drafting and the tokenizer
+            passed to ``generate``, a greedy round re-encodes its drafts' text with the tokenizer
+            before the verify (:mod:`~circuits_llm.decoding.respelling`: the product often drafts
+            a split spelling, ``"`` then ``:``, where the model writes ``":``). Greedy output is
+            the argmax chain whatever is drafted; sampling rounds never respell. Default True.
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
                  policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False,
                  draft_length: DraftLength | None = None,
                  constrained_drafting: ConstrainedDrafting = ConstrainedDrafting.PRODUCT,
-                 lookup: ContextLookup | None = None) -> None:
+                 lookup: ContextLookup | None = None, respell_greedy_drafts: bool = True) -> None:
         rule = DraftLength.fixed() if draft_length is None else draft_length
         if not isinstance(rule, DraftLength):
             raise DecoderError(f"draft_length must be a circuits_llm.decoding.draft_length."
@@ -161,6 +168,12 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if lookup is not None and not isinstance(lookup, ContextLookup):
             raise DecoderError(f"lookup must be None or a circuits_llm.decoding.lookup."
                                f"ContextLookup, got {lookup!r}")
+        if not isinstance(respell_greedy_drafts, bool):
+            raise DecoderError(f"respell_greedy_drafts must be a bool, got "
+                               f"{respell_greedy_drafts!r}")
+        self.respell_greedy_drafts = respell_greedy_drafts
+        #: the respeller of the last tokenizer seen (its vocabulary's bytes, read once)
+        self._respeller: DraftRespeller | None = None
         self.lookup = lookup
         #: the output so far, indexed for the copy component (during generate, with a lookup)
         self._index: LookupIndex | None = None
@@ -281,6 +294,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             tracker.pending += seconds
             size = drafter.last_size
             length = int(draft.length)  # type: ignore[arg-type]
+            if config.greedy and self.respell_greedy_drafts and tracker.tokenizer is not None:
+                draft, length = self._respelled(draft, length, tracker)
         else:
             draft = program.draft(hidden, torch.tensor([c], device=clock), uniforms,
                                   self._component(program))
@@ -311,6 +326,28 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                            constraint_s=0.0 if tracker is None else tracker.take(),
                            product_size=size)
         return move, step, stats
+
+    def _respelled(self, draft: DraftResult, length: int, tracker: ConstraintTracker
+                   ) -> tuple[DraftResult, int]:
+        """A greedy round's drafts ``d_1..d_L`` replaced by the tokenizer's spelling of their
+        text (:mod:`~circuits_llm.decoding.respelling`), with the new ``L``; the draft as it was
+        when there is none. Counted as constraint work."""
+        start = time.perf_counter()
+        respeller = self._respeller
+        if respeller is None or respeller.tokenizer is not tracker.tokenizer:
+            respeller = self._respeller = DraftRespeller(tracker.tokenizer)
+        drafts = draft.block.shape[1] - 1
+        ids = respeller.respell(draft.block[0, 1:length + 1].tolist(), tracker.automaton,
+                                tracker.state, drafts)
+        if ids is not None:
+            block = draft.block.clone()
+            block[0, 1:] = 0
+            block[0, 1:len(ids) + 1] = torch.tensor(ids, dtype=block.dtype)
+            draft = replace(draft, tokens=block[0, 1:], block=block,
+                            length=torch.tensor(len(ids), device=block.device))
+            length = len(ids)
+        tracker.pending += time.perf_counter() - start
+        return draft, length
 
     def _forced_run(self, tracker: ConstraintTracker | None, block: Tensor, window: int
                     ) -> list[int]:

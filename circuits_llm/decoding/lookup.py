@@ -58,6 +58,7 @@ per round.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,8 +81,10 @@ class ContextLookup:
         weights: the copy component's mixture weight ``w`` when the longest n-gram found has
             length ``g``: ``weights[g - 1]``, each in ``[0, 1]``. ``len(weights)`` is the longest
             n-gram searched. A weight of 0 never copies on a match of that length. Greedy rounds
-            copy whenever the weight is above 0; the weight still enters the draft's
-            conditionals, which a confident draft-length rule reads.
+            of the compiled draft program copy whenever the weight is above 0; greedy rounds
+            under a constraint's product draft the mode of the mixture's conditionals
+            (:class:`SequentialCopy`). The weight also enters the draft's conditionals, which a
+            confident draft-length rule reads.
         constraint_weight: under a constraint with ``PRODUCT`` drafting, the weight of the
             constraint's own proposal (:mod:`~circuits_llm.decoding.constraint_path`: the text the
             automaton fixes from the current state, and at its open choices what the output chose
@@ -279,9 +282,11 @@ class SequentialCopy:
     :class:`~circuits_llm.decoding.constrained.ProductDrafter`): a ``choose`` callback.
 
     Called with the drafter's conditional ``h_k`` (K,) for ``k = 1, 2, ..`` in turn, it returns
-    the draft: the copy's ``s_k`` when greedy and the drafts so far are the copy's, else the draw
-    of the mixture's conditional ``q_k`` (:func:`mixed_conditionals`) at the round's uniform
-    (inverse CDF), else the argmax of ``h_k``.
+    the draft: the draw of the mixture's conditional ``q_k`` (:func:`mixed_conditionals`) at the
+    round's uniform (inverse CDF), or when greedy its mode: the copy's ``s_k`` where
+    ``pi_{k-1} + (1 - pi_{k-1}) h_k(s_k)`` is the largest entry (a weak copy, a 1-gram match at
+    weight 0.1, then gives way to a product that is sure of another token), else the argmax of
+    ``h_k``.
 
     The law drawn is ``w C + (1 - w) H`` with ``C = [d_{<=m} = s] H(d_{>m} | d_{<=m})``: after
     the copy's ``m`` tokens each conditional is the drafter's own, so every position of the
@@ -314,49 +319,57 @@ class SequentialCopy:
         self.component = component.cpu()
         self.drafts = component.shape[0] - 2
         self.uniforms = None if uniforms is None else uniforms.tolist()
-        self.rows = torch.zeros(self.drafts, 0, dtype=torch.float64)
         self.path: list[int] = []
         self.free_outside = free_outside
-        proposal, count, _ = unpack(self.component)
+        proposal, count, weight = unpack(self.component)
+        self._proposal: list[int] = proposal[:int(count)].tolist()
+        self._weight = float(weight)
         #: the proposal's model ids
         self.tokens = [outside_entry(entry) if entry < 0 else
                        entry if draft_tokens is None else int(draft_tokens[entry])
-                       for entry in proposal[:int(count)].tolist()]
+                       for entry in self._proposal]
         #: the row where the draw left the draft vocabulary on the proposal (None: it did not)
         self.outside: int | None = None
+        #: ``log H(d_{<k})``: the drafter's log-probability of the drafts so far
+        self._log_path = 0.0
+        #: the mixture's conditional of each row drawn so far, (K + 1,) each
+        self._mixed: list[Tensor] = []
+        #: the draft vocabulary's size K (known from the first row)
+        self.size = 0
 
-    def mixed(self, rows: Tensor, path: list[int]) -> Tensor:
-        """The mixture's conditionals (len(rows), K + 1) of the first ``len(rows)`` rows along
-        ``path`` (padded), column ``K``: the proposal's token at that row when it lies outside
-        the draft vocabulary."""
-        count, size = rows.shape[0], rows.shape[1]
-        padded = torch.zeros(self.drafts, size, dtype=torch.float64)
-        padded[:count] = rows.cpu()
-        drafts = torch.tensor(path + [0] * (self.drafts - len(path)), dtype=torch.long)
-        pi = copy_posterior(padded, drafts, self.component)[:count]
-        out = torch.cat([(1 - pi[:, None]) * padded[:count], torch.zeros(count, 1,
-                                                                          dtype=torch.float64)], 1)
-        proposal = unpack(self.component)[0][:count]
-        column = torch.where(proposal >= 0, proposal, size)
-        out[torch.arange(count), column] += pi
-        return out
+    def copy_weight(self) -> float:
+        """``pi_{k-1}`` before the next row ``k = len(path) + 1``: the copy's posterior weight
+        given the drafts so far (0 off the proposal and past its end); :func:`copy_posterior`'s
+        value, kept as a running sum instead of recomputed over the window."""
+        k, weight = len(self.path), self._weight
+        if weight <= 0.0 or k >= len(self._proposal) or self.path != self._proposal[:k]:
+            return 0.0
+        if weight >= 1.0:
+            return 1.0
+        odds = math.log(weight) - math.log1p(-weight) - self._log_path  # log w / ((1 - w) H)
+        return 1.0 / (1.0 + math.exp(-odds)) if odds >= 0 else math.exp(odds) / (1.0 + math.exp(odds))
 
     def __call__(self, conditional: Tensor) -> int | None:
         k = len(self.path)
-        rows = torch.cat([self.rows[:k], conditional.cpu().double()[None]]) if k else \
-            conditional.cpu().double()[None]
-        self.rows = rows
-        proposal, count, weight = unpack(self.component)
-        copying = weight > 0 and k < count and self.path == proposal[:k].tolist()
-        if self.uniforms is None:
-            pick = int(proposal[k]) if copying else int(conditional.argmax())
+        head = conditional.cpu().double()
+        size = self.size = head.shape[0]
+        pi = self.copy_weight()
+        row = torch.cat([(1 - pi) * head, head.new_zeros(1)])  # (K + 1,): column K outside
+        if pi > 0.0:
+            entry = self._proposal[k]
+            row[entry if entry >= 0 else size] += pi
+        self._mixed.append(row)
+        if self.uniforms is None:  # the mode of the mixture's conditional
+            pick = int(row.argmax())
         else:
-            pick = pick_category(self.mixed(rows, [*self.path, 0])[k], self.uniforms[k], None)
+            pick = pick_category(row, self.uniforms[k], None)
             assert pick is not None
-        if pick < 0 or pick == conditional.shape[0]:  # the proposal's token outside the vocabulary
+        if pick == size:  # the proposal's token outside the vocabulary
             self.outside = k
             return None
         self.path.append(pick)
+        probability = float(head[pick])
+        self._log_path += math.log(probability) if probability > 0 else -math.inf
         return pick
 
     def tail(self) -> list[int]:
@@ -371,15 +384,15 @@ class SequentialCopy:
         return torch.tensor(ids + [0] * (self.drafts - len(ids)), dtype=torch.long)
 
     def conditionals(self) -> Tensor:
-        """(n-1, K + 1) the mixture's conditionals along the drawn path (rows after it: zero;
-        class docstring)."""
-        size = self.rows.shape[1]
+        """(n-1, K + 1) the mixture's conditionals along the drawn path, the rows the draw drew
+        from (rows after it: zero; class docstring)."""
+        size = self.size
         out = torch.zeros(self.drafts, size + 1, dtype=torch.float64)
+        if self._mixed:
+            out[:len(self._mixed)] = torch.stack(self._mixed)
         if self.outside is None:
-            out[:len(self.path)] = self.mixed(self.rows, self.path)
             return out
         j = self.outside
-        out[:j + 1] = self.mixed(self.rows[:j + 1], self.path)
         if self.free_outside:
             out[j] = 0.0
             out[j, size] = 1.0
