@@ -54,7 +54,7 @@ from circuits.compiled.automaton_product import AutomatonProduct, pick_category
 from circuits_llm.constraints import ConstraintError, JsonSchema, Regex, TokenAutomaton
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import SequentialCopy, outside_entry, unpack
-from circuits_llm.decoding.round import DraftResult
+from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import DecoderError
 
 __all__ = ["ConstrainedDrafting", "ConstraintTracker", "ProductDrafter", "resolve_constraint"]

@@ -68,7 +68,8 @@ from circuits_llm.decoding.inputs import check_draft_tokens, head_parameters
 from circuits_llm.decoding.lookup import ContextLookup, LookupIndex
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats
 from circuits_llm.decoding.respelling import DraftRespeller
-from circuits_llm.decoding.round import DraftResult, RoundOutcome, RoundProgram
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.round_data import DraftResult, RoundOutcome
 from circuits_llm.decoding.stopping import StopCondition
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
 from circuits_llm.protocols import Backbone, BackboneStep, DraftHead, draft_head_problem

@@ -45,6 +45,11 @@ class DraftRespeller:
         #: model id -> the bytes it appends to the text (None: a special token, or no bytes)
         self.spellings: list[bytes | None] = token_bytes(tokenizer) if self.usable else []
 
+    def _bytes_of(self, ids: list[int]) -> list[bytes | None]:
+        """Each id's bytes (None: a special token, an id without bytes or outside the vocabulary)."""
+        return [self.spellings[token] if 0 <= token < len(self.spellings) else None
+                for token in ids]
+
     def respell(self, drafts: list[int], automaton: TokenAutomaton, state: int,
                 limit: int) -> list[int] | None:
         """The tokenizer's spelling of the text of ``drafts`` (model ids), at most ``limit``
@@ -60,8 +65,7 @@ class DraftRespeller:
         """
         if not drafts or not self.usable:
             return None
-        parts = [self.spellings[token] if 0 <= token < len(self.spellings) else None
-                 for token in drafts]
+        parts = self._bytes_of(drafts)
         if any(part is None for part in parts):
             return None
         spelled = b"".join(parts)  # type: ignore[arg-type]
@@ -72,8 +76,7 @@ class DraftRespeller:
         ids = [int(token) for token in self.tokenizer.encode(text, add_special_tokens=False)]
         if ids == drafts or not ids:
             return None
-        respelled = [self.spellings[token] if 0 <= token < len(self.spellings) else None
-                     for token in ids]
+        respelled = self._bytes_of(ids)
         if any(part is None for part in respelled) \
                 or b"".join(respelled) != spelled:  # type: ignore[arg-type]
             return None
