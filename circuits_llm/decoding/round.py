@@ -70,7 +70,7 @@ from circuits_llm.runtime.compiling import CompiledProgram, Compiler
 #: compiled programs (head x configuration) one process can hold before Dynamo recompiles stop
 MAX_PROGRAMS = 64
 
-__all__ = ["DraftResult", "RoundOutcome", "RoundProgram", "UniformTape"]
+__all__ = ["RoundProgram"]
 
 
 def _usable(raw: Tensor) -> Tensor:
