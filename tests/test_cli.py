@@ -71,7 +71,7 @@ def test_demo_writes_a_valid_report(demo_run: dict) -> None:
     assert result["config"]["draft_confidence"] == 0.3 and result["config"]["draft_minimum"] == 0
     # linear weights packed for the verify blocks; the greedy check above ran on them
     assert result["config"]["packed_linear"] is True
-    assert result["machine"]["linear_layers"].startswith("linear layers: ")  # what, and why
+    assert result["machine"]["linear_layers"].startswith("linear layers: weights ")  # what, why
     assert result["config"]["token_input"] == ["ff", "btree"]  # both heads read the token
     assert result["heads"]["ff"]["training_config"]["token_input"] is True
     assert result["heads"]["btree"]["training_config"]["token_input"] is True

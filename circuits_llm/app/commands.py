@@ -194,9 +194,9 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--new-tokens", type=_positive_int, help="bytes generated per prompt")
     tuning.add_argument("--temperature", type=_positive_float, help="of the sampling mode (1.0)")
     tuning.add_argument("--plain-linear", action="store_true",
-                        help="keep torch's default linear kernels on a CPU (by default the "
-                             "weights are packed for verify blocks, with the backend measured "
-                             "fastest on this machine: MKL or oneDNN)")
+                        help="keep torch's default linear kernels and weight layout on a CPU "
+                             "(by default the weights are stored in the layout and packed with "
+                             "the backend, MKL or oneDNN, measured fastest on this machine)")
 
 
 def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
@@ -367,9 +367,10 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--compile", action="store_true",
                      help="static KV cache, compiled forwards and a compiled round (torch.compile)")
     gen.add_argument("--plain-linear", action="store_true",
-                     help="keep torch's default linear kernels on a CPU (by default a head's "
-                          "decoder packs the weights for its verify blocks, with the backend "
-                          "measured fastest on this machine: MKL or oneDNN)")
+                     help="keep torch's default linear kernels and weight layout on a CPU (by "
+                          "default a head's decoder stores the weights in the layout and packs "
+                          "them with the backend, MKL or oneDNN, measured fastest on this "
+                          "machine)")
     gen.add_argument("--lookup", type=_lookup_weights, default=(), metavar="WEIGHTS",
                      help="mix a copy of the context's last repeated n-gram's continuation into "
                           "the head's drafts, with these weights per n-gram length (exact; e.g. "

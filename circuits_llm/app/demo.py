@@ -119,13 +119,15 @@ class ComparisonConfig:
             fastest setting; ``compile`` supersedes it.
         compile: decode with static KV caches and compiled forwards and rounds (``torch.compile``)
             for every decoder, the autoregressive baseline included.
-        packed_linear: on a CPU, pack the model's float32 linear weights for blocks of up to
-            ``window`` rows with the backend (MKL or oneDNN) and smallest block measured fastest
-            on this machine (:func:`~circuits_llm.backbone.packed_linear.tune_linear_packing`):
+        packed_linear: on a CPU, store the model's float32 linear weights in the layout whose
+            one-row products are fastest on this machine
+            (:func:`~circuits_llm.backbone.weight_layout.tune_weight_layout`), then pack them for
+            blocks of up to ``window`` rows with the backend (MKL or oneDNN) and smallest block
+            measured fastest (:func:`~circuits_llm.backbone.packed_linear.tune_linear_packing`):
             small verify blocks then cost little more than one token (on SmolLM2 a block of 8 cost
             2.1 single-token forwards with torch's default kernels). Every decoder shares the
-            model, so the autoregressive baseline runs on it too, with the kernel measured fastest
-            for one row.
+            model, so the autoregressive baseline runs on it too, with the layout and kernel
+            measured fastest for one row.
     """
 
     heads: tuple[str, ...] = ("ff", "btree")
@@ -244,21 +246,26 @@ def resolve_model(spec: str | Path) -> str | Path:
 
 
 def pack_for_verify_blocks(model: torch.nn.Module, window: int, device: torch.device) -> str:
-    """Pack ``model``'s linear layers for verify blocks of up to ``window`` tokens on a CPU
-    (before any backbone wraps it), with the backend and smallest block measured fastest on this
-    machine (:func:`~circuits_llm.backbone.packed_linear.tune_linear_packing`); returns a line
-    saying what was done."""
+    """Store ``model``'s linear weights in the layout whose one-token step is fastest on this
+    machine (:func:`~circuits_llm.backbone.weight_layout.tune_weight_layout`), then pack them for
+    verify blocks of up to ``window`` tokens on a CPU (before any backbone wraps the model), with
+    the backend and smallest block measured fastest in that layout
+    (:func:`~circuits_llm.backbone.packed_linear.tune_linear_packing`); returns a line saying what
+    was done. Every decoder on the model, the autoregressive baseline included, runs on both."""
     from circuits_llm.backbone.packed_linear import pack_linear_layers, tune_linear_packing
+    from circuits_llm.backbone.weight_layout import tune_weight_layout
     # measured here (rather than inside pack_linear_layers) to log what was measured
     if device.type != "cpu":
         return f"linear layers: unchanged on {device.type} (weight packing is for the CPU)"
+    layout = tune_weight_layout(model)
+    stored = "" if layout is None else f"{layout.describe()}; "
     choice = tune_linear_packing(model, window)
     if choice is None:
-        return "linear layers: torch's default kernels (no packed GEMM in this torch, or none " \
-               "faster than F.linear on this machine)"
+        return f"linear layers: {stored}torch's default kernels (no packed GEMM in this torch, " \
+               "or none faster than F.linear on this machine)"
     swapped = pack_linear_layers(model, rows=window, min_rows=choice.min_rows,
                                  backend=choice.backend)
-    return f"linear layers: {swapped} packed with {choice.describe()}"
+    return f"linear layers: {stored}{swapped} packed with {choice.describe()}"
 
 
 def _unit(loaded: Any) -> TokenUnit:

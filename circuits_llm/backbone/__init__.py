@@ -6,6 +6,8 @@ decoder layers, and an optional static KV cache with a compiled forward (``compi
 :func:`pack_linear_layers` packs a model's float32 linear weights with MKL or oneDNN (on a CPU;
 :func:`tune_linear_packing` measures which is faster on the machine) so that a verify block of a
 few tokens costs little more than one token; call it before wrapping the model.
+:func:`tune_weight_layout` stores those weights row- or column-major, whichever makes a one-token
+step faster on the machine (:mod:`~circuits_llm.backbone.weight_layout`); call it before packing.
 """
 
 from circuits_llm.backbone._adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterMismatchError
@@ -19,6 +21,7 @@ from circuits_llm.backbone.packed_linear import (
     repack_linear_layers,
     tune_linear_packing,
 )
+from circuits_llm.backbone.weight_layout import WeightLayout, set_weight_layout, tune_weight_layout
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -31,7 +34,10 @@ __all__ = [
     "PackedLinear",
     "PackingBackend",
     "UnsupportedModelError",
+    "WeightLayout",
     "pack_linear_layers",
     "repack_linear_layers",
+    "set_weight_layout",
     "tune_linear_packing",
+    "tune_weight_layout",
 ]
