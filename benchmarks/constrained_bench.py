@@ -127,7 +127,7 @@ PROMPTS: dict[str, list[str]] = {
 }
 
 HEADS = ("btree", "ff")
-#: the threshold of the dynamic draft length arms (DraftLength.confident; results.md section 6)
+#: the threshold of the dynamic draft length arms (DraftLength.confident; docs/journal.md section 6)
 CONFIDENCE = 0.3
 #: the ``walk`` arms: the context copy, and the constraint's walk where the copy has nothing
 WALK = ContextLookup(constraint_weight=0.5)

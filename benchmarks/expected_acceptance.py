@@ -7,7 +7,7 @@ Run ``python -m benchmarks.expected_acceptance [RUN_DIR ...] [--heads btree,ff] 
 train-head`` runs; ``--heads`` names the demo's heads (shipped, or trained into the head cache), by
 default both when no run is given.
 
-Why: the sampled tokens per round that ``make demo`` and ``benchmarks.acceptance_sweep`` report
+Why: the sampled tokens per round that ``make demo`` and ``experiments.acceptance_sweep`` report
 move by up to +-0.1 between runs of 6 prompts, because every draw changes the text that follows.
 Here the text is fixed (held-out standard-library files, the demo's split) and, at every position
 ``t`` where the verified token ``c = x_{t+1}`` is in the head's draft vocabulary, the head reads

@@ -112,7 +112,7 @@ HEADS: tuple[tuple[Architecture, int], ...] = ((Architecture.FF, 1), (Architectu
 DEMO = ComparisonConfig.demo()
 
 #: Tokens per round (``mu_acc``, the ``acc.len`` column) the shipped SmolLM2 heads reached on the
-#: real SmolLM2-135M-Instruct: docs/results.md, section 6, the latest ``make demo`` text table
+#: real SmolLM2-135M-Instruct: docs/journal.md, section 6, the latest ``make demo`` text table
 #: whose rounds all verify at least one draft (``--draft-minimum 1``, the demo's default before a
 #: round could be a plain step: those are no rounds of the forced-draft round timed here) (6
 #: held-out stdlib prompts x 128 tokens, AMD EPYC CPU, compiled rounds over the eager model;
@@ -126,7 +126,7 @@ DEMO = ComparisonConfig.demo()
 MEASURED_TOKENS_PER_ROUND: dict[tuple[Architecture, Mode], float] = {
     (Architecture.FF, Mode.GREEDY): 3.12, (Architecture.BTREE, Mode.GREEDY): 3.16,
     (Architecture.FF, Mode.SAMPLING): 1.42, (Architecture.BTREE, Mode.SAMPLING): 1.40}
-MEASURED_SOURCE = "real SmolLM2, docs/results.md section 6"
+MEASURED_SOURCE = "real SmolLM2, docs/journal.md section 6"
 
 
 class ForcedInsideDraftVocabulary(ForcedAcceptance):

@@ -22,7 +22,7 @@ The run is resumable: a finished cell is written to ``<out>/cells/n<n>-k<k>.json
 when the study runs again; heads are cached in ``--heads`` (default ``runs/study/heads``, outside
 version control; keyed by model fingerprint and training configuration). ``--phase train`` only
 trains (useful as a background job); ``decode`` then finds every head in the cache. At the end
-``<out>/study.json``, ``<out>/study.md`` (the table of ``docs/results.md``) and
+``<out>/study.json``, ``<out>/study.md`` (the table of ``docs/journal.md`` section 5) and
 ``<out>/study-tradeoff.png`` are written atomically.
 """
 
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (default 1, as the demo: the small model's ops gain "
                              "little from a second thread on a shared 2-core machine)")
     add_device_argument(parser, default="cpu",
-                        note="cpu by default: the recorded study (docs/results.md) ran there.")
+                        note="cpu by default: the recorded study (docs/journal.md section 5) ran there.")
     args = parser.parse_args(argv)
     if min(args.threads, args.prompts, args.new_tokens) < 1:
         parser.error("--threads, --prompts and --new-tokens must be >= 1")

@@ -6,6 +6,11 @@ directory, the file is flushed to the disk (``fsync``), renamed over the target 
 ``os.replace`` (atomic on POSIX), and the directory is synced so the new name survives a power
 loss. Anything that fails on the way (a full disk included: ``OSError`` ``ENOSPC`` from ``write``
 or from ``fsync``) removes the temporary file and leaves the target as it was, or absent.
+
+The file ends with the mode an ordinary ``open(path, "w")`` would have given it (``0o666`` less
+the umask, or what the directory's default ACL says): the temporary file is created with
+``os.open(..., 0o666)``, so the kernel applies the umask itself, and nothing reads or changes the
+process's umask (``os.umask`` can only be read by setting it, which races with other threads).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,19 +29,20 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object]) 
     """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it over ``path``.
 
     The temporary file keeps ``path``'s suffix, so writers that infer a format from it (matplotlib,
-    safetensors) work. The parent directory is created if needed.
+    safetensors) work. The parent directory is created if needed. The file ends with the mode
+    ``open()`` would have given it (``0o666 & ~umask``), also when ``write`` replaced the temporary
+    file by another one (``os.replace(partial, tmp)``).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}",
-                                    dir=path.parent)
-    os.close(handle)
-    tmp = Path(name)
+    tmp, mode = _create_temporary(path)
     try:
         write(tmp)
+        if stat.S_IMODE(tmp.stat().st_mode) != mode:  # a writer that put another file there
+            tmp.chmod(mode)
         fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -44,6 +51,27 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object]) 
     if os.name == "posix":  # directories cannot be opened for fsync elsewhere
         fsync(path.parent)
     return path
+
+
+def _create_temporary(path: Path, attempts: int = 100) -> tuple[Path, int]:
+    """Create a new, empty temporary file next to ``path``; return it and its permission bits.
+
+    Like :func:`tempfile.mkstemp` (a random name, ``O_EXCL``: never an existing file or a
+    symlink), but with the mode ``open()`` uses (``0o666`` under the umask) instead of ``0o600``.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(attempts):
+        tmp = path.parent / f".{path.stem}.{secrets.token_hex(6)}.tmp{path.suffix}"
+        try:
+            handle = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            mode = stat.S_IMODE(os.fstat(handle).st_mode)
+        finally:
+            os.close(handle)
+        return tmp, mode
+    raise FileExistsError(f"no unused temporary file name next to {path} after {attempts} tries")
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:

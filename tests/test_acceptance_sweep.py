@@ -1,9 +1,9 @@
-"""``benchmarks/acceptance_sweep.py``'s table: one row per head and copy-component setting, the
+"""``experiments/acceptance_sweep.py``'s table: one row per head and copy-component setting, the
 columns that differ between them."""
 
 from __future__ import annotations
 
-from benchmarks.acceptance_sweep import table
+from experiments.acceptance_sweep import table
 
 
 def _row(run: str, lookup: str, greedy: float) -> dict:

@@ -4,14 +4,12 @@
   under ``TYPE_CHECKING``.
 * Floors go one way: a room of ``circuits_llm`` imports only rooms on lower floors (or its own).
 * ``circuits`` imports nothing of ``circuits_llm``.
-* Nothing inside the packages imports an old, deprecated path.
 * The package face exports exactly what a user needs first.
 """
 
 from __future__ import annotations
 
 import ast
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ PACKAGES = ("circuits", "circuits_llm")
 #: Floor of each room of circuits_llm: a module may import modules on its own floor or below.
 FLOORS = {
     "circuits_llm.protocols": 1, "circuits_llm.heads": 1, "circuits_llm.runtime": 1,
-    "circuits_llm.embedded": 1, "circuits_llm._moved": 1,
+    "circuits_llm.embedded": 1,
     "circuits_llm.text": 2,
     "circuits_llm.backbone": 3, "circuits_llm.constraints": 3,
     "circuits_llm.decoding": 4,
@@ -30,12 +28,6 @@ FLOORS = {
     "circuits_llm.app": 6,
     "circuits_llm.__main__": 7,
 }
-
-#: Old top-level paths kept for one release (circuits_llm._moved): never imported from inside.
-DEPRECATED = {f"circuits_llm.{name}" for name in
-              ("decoder", "metrics", "stopping", "hf_generate", "models", "data", "loss", "timing",
-               "demo", "head_cache")}
-
 
 def module_files() -> dict[str, Path]:
     """Dotted module name -> file, for every module of both packages."""
@@ -161,8 +153,7 @@ def test_no_import_loops(graph: dict[str, set[str]]) -> None:
 
 
 def test_every_circuits_llm_module_has_a_floor(graph: dict[str, set[str]]) -> None:
-    homeless = [m for m in graph if m.startswith("circuits_llm.") and m not in DEPRECATED
-                and floor_of(m) is None]
+    homeless = [m for m in graph if m.startswith("circuits_llm.") and floor_of(m) is None]
     assert homeless == [], "give each new room a floor in FLOORS (and in docs/architecture.md)"
 
 
@@ -186,11 +177,6 @@ def test_circuits_imports_nothing_llm_specific(graph: dict[str, set[str]]) -> No
     assert leaks == []
 
 
-def test_no_module_imports_a_deprecated_path(graph: dict[str, set[str]]) -> None:
-    users = [f"{m} -> {t}" for m, targets in graph.items() for t in targets & DEPRECATED]
-    assert users == []
-
-
 def test_the_package_face() -> None:
     import circuits_llm
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
@@ -208,17 +194,3 @@ def test_the_package_face() -> None:
     for name, value in face.items():
         assert getattr(circuits_llm, name) is value
 
-
-@pytest.mark.parametrize("old", sorted(DEPRECATED))
-def test_old_paths_warn_and_are_the_new_modules(old: str) -> None:
-    """Each old path warns once it is imported and *is* the moved module (one object)."""
-    import importlib
-    import sys
-
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(messages) == 1 and old in messages[0] and module.__name__ in messages[0]
-    assert module.__name__ != old and module is importlib.import_module(module.__name__)

@@ -11,7 +11,7 @@ mixing it into the head x automaton product keeps the constrained law exactly.
   checked to fire; a negative control (the same draws verified with the product's own ``q``) is
   biased; greedy decoding with the walk is constrained AR's, eager and compiled; a chi-square
   check of real sampled decodes; ``constraint_weight`` errors;
-* ``benchmarks.constraint_walk_positions``' counts on a hand-checked output.
+* ``experiments.constraint_walk_positions``' counts on a hand-checked output.
 """
 
 from __future__ import annotations
@@ -223,9 +223,9 @@ def test_a_bad_constraint_weight_is_refused(weight: object) -> None:
 
 
 def test_the_position_benchmark_counts_what_each_proposal_gets_right() -> None:
-    """``benchmarks.constraint_walk_positions.count_positions`` on a hand-checked output: ``ab ab
+    """``experiments.constraint_walk_positions.count_positions`` on a hand-checked output: ``ab ab
     ab c`` (ids 2 4 2 4 2 5) after the prompt ``a``, with ``ab`` outside the draft vocabulary."""
-    from benchmarks.constraint_walk_positions import count_positions, draftable, matched
+    from experiments.constraint_walk_positions import count_positions, draftable, matched
     assert matched([2, 4, 1], [2, 4, 2]) == 2 and matched([], [2]) == 0
     assert draftable([1, 2, 3], {1, 3}) == [1]
     output = [2, 4, 2, 4, 2, 5]

@@ -4,7 +4,7 @@ One run (a subprocess, as ``make gpu-check`` runs it) serves every test: it must
 one table, write its JSON, hold every row group with no FAIL, SKIP only where libcirkit is absent
 or CUDA is genuinely needed (each saying why), and its negative controls must have been rejected
 (so the exactness rows can fail). The prediction's measured acceptance must be the one recorded
-in docs/results.md, and asking for CUDA without one is one clear error.
+in docs/journal.md, and asking for CUDA without one is one clear error.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ def test_speed_rows_forced_every_draft_and_predicted(smoke: dict[str, Any]) -> N
 
 def test_measured_acceptance_is_the_recorded_one() -> None:
     """:data:`MEASURED_TOKENS_PER_ROUND` is the ``acc.len`` column of the latest ``make demo``
-    text table of docs/results.md section 6 (the shipped heads', every round verifying a draft;
+    text table of docs/journal.md section 6 (the shipped heads', every round verifying a draft;
     the later ``--draft-minimum 0`` run is a markdown table)."""
-    text = (ROOT / "docs" / "results.md").read_text()
+    text = (ROOT / "docs" / "journal.md").read_text()
     section = text[text.index("## 6."):text.index("## 7.")]
     for (architecture, mode), tokens in MEASURED_TOKENS_PER_ROUND.items():
         matches = re.findall(rf"^{mode.value}\s+{architecture.value}\s+[\d.]+ms\s+([\d.]+)\s",

@@ -4,7 +4,7 @@
 ``x @ W.T``: a product whose right operand is transposed. On some CPUs the untransposed product is
 faster for the one-row calls of a decode step: measured on SmolLM2-135M's 211 linear weights on a
 2-core AMD EPYC (1 thread), a one-token forward took 119.0 ms with the weights stored column-major
-against 130.2 ms as loaded, and a 2-token forward 161.6 against 186.5 ms (docs/results.md, "The
+against 130.2 ms as loaded, and a 2-token forward 161.6 against 186.5 ms (docs/journal.md, "The
 open targets at a glance"). :class:`WeightLayout` names the two layouts; :func:`set_weight_layout`
 stores every float32 CPU linear weight of a model in one of them (the same values and shape, the
 same ``Parameter`` objects, so tied weights stay tied and no memory is added); and

@@ -23,7 +23,7 @@ proposes no draftable token (:func:`round_component`): a deterministic function 
 output and the automaton's state, fixed before the round draws anything, so the output law stays
 exactly the constrained LM's whatever it proposes; a wrong proposal only costs acceptance.
 
-Measured on the constrained benchmark's greedy outputs (359 positions; ``docs/results.md``
+Measured on the constrained benchmark's greedy outputs (359 positions; ``docs/journal.md``
 section 9): the walk's proposal starts with the next token at 47% of positions, the context
 copy's at 27%; but the head x automaton product already drafts most of what the walk gets right,
 so decoding gains little.

@@ -90,7 +90,7 @@ class ContextLookup:
             automaton fixes from the current state, and at its open choices what the output chose
             last time), mixed in a round where the context copy proposes no draftable token.
             In ``[0, 1]``; 0 (default) never walks: on the constrained benchmark the walk was
-            within the noise of the copy alone (``docs/results.md`` section 9).
+            within the noise of the copy alone (``docs/journal.md`` section 9).
         outside_vocabulary: under a constraint with ``PRODUCT`` drafting, keep a proposal's
             tokens outside the head's draft vocabulary (drafted from the proposal alone, carried
             in one extra column of ``q``: :class:`SequentialCopy`) instead of cutting the

@@ -7,7 +7,7 @@ spelling (``":``, ``city``). The head x constraint product
 (:class:`~circuits_llm.decoding.constrained.ProductDrafter`) renormalises the head over the
 allowed windows, and a split spelling often keeps more of the head's mass than the merged one
 (more allowed continuations follow a short token), so its argmax drafts ``"``, ``:`` where the
-model writes ``":``: the right text, rejected at its first token (``docs/results.md`` section 9
+model writes ``":``: the right text, rejected at its first token (``docs/journal.md`` section 9
 counts how often).
 
 A greedy round may verify any drafts: its output is the chain of the masked target's argmax

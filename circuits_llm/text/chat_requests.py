@@ -2,7 +2,7 @@
 
 A head trained only on continuations of source files drafts a chat reply poorly: on SmolLM2's
 chat prompts the code-trained shipped heads accepted 1.1-1.3 tokens per round, against 2.7 greedy
-on code (docs/results.md, section 6). Training on the model's own replies to chat requests
+on code (docs/journal.md, section 6). Training on the model's own replies to chat requests
 (:mod:`circuits_llm.training.chat_distill`) needs requests, and nothing may be downloaded, so they
 are built here from two offline sources:
 

