@@ -5,6 +5,9 @@
   state without LoRA; the draft branch's state with LoRA on the last k layers).
 * :class:`DraftHead`: maps hidden states to the parameters of a compiled circuit over a window of
   ``window`` future tokens (variables ``0 .. window-1``, ``vocab_size`` categories each).
+* :class:`ContextDrafter`: a drafter with its own state over the context (a draft block with its
+  own KV cache, :mod:`circuits_llm.draft_block`): it builds a round's drafts itself and follows
+  the verifier, fed the features of the positions each round accepts.
 
 Alignment (shared by training and decoding): the head applied to the hidden state after token
 ``x_t`` describes the window ``(x_{t+1}, ..., x_{t+window})``; variable 0 is ``x_{t+1}``.
@@ -83,6 +86,43 @@ class DraftHead(Protocol):
         ...
 
 
+class ContextDrafter(Protocol):
+    """A drafter that reads the context through state of its own, kept in step with the verifier.
+
+    The decoder calls :meth:`begin` once per sequence with the prefill's features, builds one
+    program per sampling configuration with :meth:`round_program` (its ``draft`` returns the
+    round's :class:`~circuits_llm.decoding.round_data.DraftResult` with the exact ``q``; the
+    accept part is the shared :class:`~circuits_llm.decoding.round.AcceptProgram`), and after each
+    round calls :meth:`follow` with the features of the positions the round kept. Position
+    alignment as for heads: the feature at position ``j`` (the backbone's draft hidden state after
+    ``x_j``) is read with the token ``x_{j+1}``.
+    """
+
+    window: int
+    vocab_size: int
+    hidden_size: int
+
+    def begin(self, hidden: Tensor, tokens: Tensor) -> None:
+        """Start a sequence: ``hidden`` (1, m, d) features of the prefilled positions except the
+        last (whose feature seeds the first round), ``tokens`` (m,) the token after each."""
+        ...
+
+    def follow(self, hidden: Tensor, tokens: Tensor) -> None:
+        """After a round: ``hidden`` (1, m, d) the verify forward's features of the kept block's
+        positions except the last, ``tokens`` (m,) the token after each (drafts the round
+        accepted, or forced tokens)."""
+        ...
+
+    def round_program(self, config: object, *, compile: bool = False,
+                      compiler: object | None = None) -> object:
+        """The round's program for ``config`` (a
+        :class:`~circuits_llm.decoding.warping.SamplingConfig`): a
+        :class:`~circuits_llm.decoding.round.AcceptProgram` (the shared accept part) with
+        ``draw_uniforms``, ``draft`` and ``verified``; ``compiler`` a
+        :class:`~circuits_llm.runtime.compiling.Compiler` (this floor imports neither)."""
+        ...
+
+
 def draft_parameters(head: object, hidden: Tensor, token: Tensor) -> dict[str, Tensor]:
     """A head's raw circuit parameters for ``hidden`` (B, d) and ``X_0``'s category ``token``
     (B,) long: ``head(hidden, token)`` for a head that reads the token (``reads_token``), else
@@ -98,6 +138,9 @@ _BACKBONE_METHODS = ("reset", "extend", "crop")
 _DRAFT_HEAD_ATTRIBUTES: dict[str, type] = {"window": int, "vocab_size": int, "hidden_size": int,
                                            "circuit": CompiledCircuit}
 _DRAFT_HEAD_METHODS = ("__call__",)
+_CONTEXT_DRAFTER_ATTRIBUTES: dict[str, type] = {"window": int, "vocab_size": int,
+                                                "hidden_size": int}
+_CONTEXT_DRAFTER_METHODS = ("begin", "follow", "round_program")
 
 
 def _problem(obj: object, attributes: dict[str, type], methods: tuple[str, ...],
@@ -139,3 +182,10 @@ def draft_head_problem(obj: object) -> str | None:
     """
     return _problem(obj, _DRAFT_HEAD_ATTRIBUTES, _DRAFT_HEAD_METHODS,
                     "circuits_llm.protocols.DraftHead")
+
+
+def context_drafter_problem(obj: object) -> str | None:
+    """Why ``obj`` is not a :class:`ContextDrafter` (names each missing or mistyped member), or
+    ``None``; ``getattr`` checks, so ``nn.Module`` drafters are seen whole."""
+    return _problem(obj, _CONTEXT_DRAFTER_ATTRIBUTES, _CONTEXT_DRAFTER_METHODS,
+                    "circuits_llm.protocols.ContextDrafter")

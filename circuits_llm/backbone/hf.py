@@ -275,9 +275,66 @@ class HFBackbone(nn.Module):
             return self._extend_dynamic(tokens)
         return self._extend_static(tokens, use_graph)
 
-    def _extend_dynamic(self, tokens: Tensor) -> BackboneStep:
+    def extend_rows(self, tokens: Tensor, attention_mask: Tensor, position_ids: Tensor) -> BackboneStep:
+        """:meth:`extend` for a batch whose rows hold different numbers of tokens (the dynamic cache).
+
+        The caches' slots are physical: slot ``j`` of every row sits at the same index, and a row's
+        tokens need not fill them (left padding, or holes left by a rollback of that row alone).
+        What each row attends to is given by ``attention_mask``, and where its new tokens sit in its
+        own sequence by ``position_ids`` (:mod:`~circuits_llm.backbone.ragged_cache` keeps both).
+
+        Args:
+            tokens: (B, m) token ids appended to every row (slots ``length .. length + m - 1``).
+            attention_mask: (B, length + m) 0/1: the slots each row's new tokens may attend to
+                (its own tokens), the ``m`` new slots included.
+            position_ids: (B, m) long: each new token's position in its row's own sequence.
+
+        Raises:
+            UnsupportedModelError: the backbone keeps a static cache (per-row layouts need the
+                dynamic one).
+            InvalidInputError: bad tokens, or a batch size other than the cached one.
+        """
+        if self._static is not None:
+            raise UnsupportedModelError(
+                "rows of different lengths need the dynamic KV cache: build the HFBackbone without "
+                "compile=True and with cache=CacheKind.DYNAMIC to decode a batch of prompts")
+        tokens = check_tokens(tokens, self.vocab_size)
+        if self._length > 0 and tokens.shape[0] != self._batch:
+            raise InvalidInputError(
+                f"tokens has batch size {tokens.shape[0]} but the caches hold batch size {self._batch}")
+        return self._extend_dynamic(tokens, attention_mask.to(self.device), position_ids.to(self.device))
+
+    def gather_slots(self, rows: Tensor, slots: Tensor) -> None:
+        """Rebuild both dynamic caches from some of their slots: new row ``b`` holds, in its slot
+        ``j``, what old row ``rows[b]`` held in slot ``slots[b, j]`` (every layer, keys and values).
+
+        How a batch drops finished rows and closes the holes rollbacks left
+        (:class:`~circuits_llm.backbone.ragged_cache.RaggedCache`); one copy of what is kept.
+
+        Args:
+            rows: (B',) long, old row indices.
+            slots: (B', P') long, old slot indices (``0 <= slots < length``).
+        """
+        if self._static is not None:
+            raise UnsupportedModelError("gather_slots needs the dynamic KV cache")
+        rows, slots = rows.to(self.device), slots.to(self.device)
+        for cache in (self._cache, self._draft_cache):
+            for layer in cache.layers:
+                if not getattr(layer, "is_initialized", True) or layer.keys is None:
+                    continue
+                for name in ("keys", "values"):
+                    tensor = getattr(layer, name).index_select(0, rows)  # (B', H, P, D)
+                    index = slots[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                    setattr(layer, name, tensor.gather(2, index))
+        self._batch = int(rows.shape[0])
+        self._length = int(slots.shape[1])
+
+    def _extend_dynamic(self, tokens: Tensor, attention_mask: Tensor | None = None,
+                        position_ids: Tensor | None = None) -> BackboneStep:
         start, m = self._length, tokens.shape[1]
-        positions = torch.arange(start, start + m, device=self.device).unsqueeze(0)
+        positions = position_ids if position_ids is not None else \
+            torch.arange(start, start + m, device=self.device).unsqueeze(0)
+        masks = {} if attention_mask is None else {"attention_mask": attention_mask}
         try:
             with torch.no_grad():
                 out, cap = self._recorded(
@@ -285,6 +342,7 @@ class HFBackbone(nn.Module):
                     past_key_values=self._cache,
                     position_ids=positions,
                     use_cache=True,
+                    **masks,
                 )
                 if out.past_key_values is not self._cache:
                     raise UnsupportedModelError(

@@ -57,6 +57,7 @@ from circuits_llm.constraints import TokenAutomaton
 from circuits_llm.decoding.acceptance import CorrectionPolicy, Transition, transition
 from circuits_llm.decoding.autoregressive import VERIFIER_LOGITS, AutoregressiveDecoder, now
 from circuits_llm.decoding.backbones import as_backbone
+from circuits_llm.decoding.batch import SpeculativeRows
 from circuits_llm.decoding.constrained import (
     ConstrainedDrafting,
     ConstraintTracker,
@@ -72,7 +73,14 @@ from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.round_data import DraftResult, RoundOutcome
 from circuits_llm.decoding.stopping import StopCondition
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
-from circuits_llm.protocols import Backbone, BackboneStep, DraftHead, draft_head_problem
+from circuits_llm.protocols import (
+    Backbone,
+    BackboneStep,
+    ContextDrafter,
+    DraftHead,
+    context_drafter_problem,
+    draft_head_problem,
+)
 from circuits_llm.runtime.compiling import Compiler, current_compiler
 
 __all__ = [
@@ -87,7 +95,11 @@ class SpeculativeDecoder(AutoregressiveDecoder):
     Args:
         backbone: a :class:`Backbone`, or an HF causal LM (wrapped in ``HFBackbone`` with
             ``lora_layers`` LoRA layers on its draft branch).
-        head: a :class:`DraftHead` whose circuit spans ``window >= 2`` variables.
+        head: a :class:`DraftHead` whose circuit spans ``window >= 2`` variables, or a
+            :class:`~circuits_llm.protocols.ContextDrafter` (a draft block's
+            :class:`~circuits_llm.draft_block.BlockDrafter`: recursive drafts from a decoder layer
+            with its own KV cache, fed the features of the positions each round keeps; it takes
+            neither ``lookup`` nor a ``draft_length`` rule, and drafts freely under a constraint).
         lora_layers: only used when ``backbone`` is an HF model.
         policy: keep :attr:`CorrectionPolicy.EXACT`; the other value is a biased negative control.
         draft_length: how many of the window's ``n - 1`` drafts a round verifies
@@ -128,7 +140,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             the argmax chain whatever is drafted; sampling rounds never respell. Default True.
     """
 
-    def __init__(self, backbone: Backbone | object, head: DraftHead, *, lora_layers: int = 0,
+    def __init__(self, backbone: Backbone | object, head: DraftHead | ContextDrafter, *,
+                 lora_layers: int = 0,
                  policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False,
                  draft_length: DraftLength | None = None,
                  constrained_drafting: ConstrainedDrafting = ConstrainedDrafting.PRODUCT,
@@ -144,23 +157,23 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             blocks = tuple(length + 1 for length in rule.lengths(window))
         self.backbone = as_backbone(backbone, lora_layers, compile, blocks)
         problem = draft_head_problem(head)
-        if problem is not None:
-            raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead: {problem}")
+        #: the drafter with state of its own, when ``head`` is one (else None: a circuit head)
+        self._context_drafter: ContextDrafter | None = None
+        if problem is not None and context_drafter_problem(head) is None:
+            self._context_drafter = head  # type: ignore[assignment]
+        elif problem is not None:
+            raise DecoderError(f"head must implement circuits_llm.protocols.DraftHead: {problem} "
+                               f"(or ContextDrafter: {context_drafter_problem(head)})")
         if head.vocab_size != self.backbone.vocab_size:
             raise DecoderError(f"the head's vocab_size {head.vocab_size} differs from the "
                                f"backbone's {self.backbone.vocab_size}")
         if head.hidden_size != self.backbone.hidden_size:
             raise DecoderError(f"the head reads hidden states of size {head.hidden_size} but the "
                                f"backbone's are {self.backbone.hidden_size}")
-        circuit = head.circuit
-        if head.window < 2 or circuit.num_variables != head.window:
-            raise DecoderError(f"the head's window must be >= 2 (variable 0 is the known next "
-                               f"token, the rest are drafted) and match its circuit's "
-                               f"{circuit.num_variables} variables; got window={head.window}")
-        draft_size = check_draft_tokens(head)
-        if any(k != draft_size for k in circuit.category_sizes):
-            raise DecoderError(f"every circuit variable must have {draft_size} categories (the "
-                               f"head's draft vocabulary), got {list(circuit.category_sizes)}")
+        if self._context_drafter is not None:
+            self._check_drafter(head.window, lookup, rule)
+        else:
+            self._check_circuit(head)  # type: ignore[arg-type]
         if not isinstance(policy, CorrectionPolicy):
             raise DecoderError(f"policy must be a CorrectionPolicy, got {policy!r}")
         if not isinstance(constrained_drafting, ConstrainedDrafting):
@@ -184,7 +197,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         self._steps: dict[TokenAutomaton, ConstraintSteps] = {}
         #: model id -> draft-vocabulary index (-1 outside it) on the host, for the copy component
         self._position: list[int] | None = None
-        if lookup is not None and head.draft_tokens is not None:  # type: ignore[attr-defined]
+        if lookup is not None and self._context_drafter is None \
+                and head.draft_tokens is not None:  # type: ignore[union-attr]
             self._position = [-1] * head.vocab_size
             for index, token in enumerate(head.draft_tokens.tolist()):  # type: ignore[attr-defined]
                 self._position[token] = index
@@ -200,20 +214,55 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         self.lookahead = head.window - 1
         self._programs: dict[SamplingConfig, RoundProgram] = {}
 
+    @staticmethod
+    def _check_circuit(head: DraftHead) -> None:
+        """A circuit head's window, circuit and draft vocabulary agree."""
+        circuit = head.circuit
+        if head.window < 2 or circuit.num_variables != head.window:
+            raise DecoderError(f"the head's window must be >= 2 (variable 0 is the known next "
+                               f"token, the rest are drafted) and match its circuit's "
+                               f"{circuit.num_variables} variables; got window={head.window}")
+        draft_size = check_draft_tokens(head)
+        if any(k != draft_size for k in circuit.category_sizes):
+            raise DecoderError(f"every circuit variable must have {draft_size} categories (the "
+                               f"head's draft vocabulary), got {list(circuit.category_sizes)}")
+
+    @staticmethod
+    def _check_drafter(window: int, lookup: ContextLookup | None, rule: DraftLength) -> None:
+        """A context drafter drafts ``window - 1 >= 1`` tokens, without a copy or length rule."""
+        if window < 2:
+            raise DecoderError(f"the drafter's window must be >= 2 (the known next token and at "
+                               f"least one draft), got {window}")
+        if lookup is not None or rule != DraftLength.fixed():
+            raise DecoderError("a ContextDrafter (draft block) takes neither lookup nor a "
+                               "draft_length rule: it verifies all of its drafts")
+
     @property
     def device(self) -> torch.device:
-        """The head's circuit device (drafts and conditionals live there)."""
-        return self.head.circuit.device
+        """The head's circuit device (drafts and conditionals live there), or the drafter's."""
+        if self._context_drafter is not None:
+            device = getattr(self._context_drafter, "device", None)
+            return device if isinstance(device, torch.device) else torch.device("cpu")
+        return self.head.circuit.device  # type: ignore[union-attr]
 
     def _program(self, config: SamplingConfig) -> RoundProgram:
         """The round's draft/accept programs for ``config``: built (and compiled) once per
         configuration, since warping and greedy/sampling are part of the program."""
         program = self._programs.get(config)
+        if program is None and self._context_drafter is not None:
+            drafter_program = self._context_drafter.round_program(
+                config, compile=self.compile, compiler=self._compiler)
+            program = self._programs[config] = drafter_program  # type: ignore[assignment]
         if program is None:
             program = self._programs[config] = RoundProgram(
                 self.head, config, compile=self.compile, compiler=self._compiler,
                 draft_length=self.draft_length, lookup=self.lookup)
         return program
+
+    def _batch_drafter(self) -> SpeculativeRows:
+        """A batch of prompts drafts row by row with this decoder's round
+        (:mod:`~circuits_llm.decoding.batch`)."""
+        return SpeculativeRows(self)
 
     def _drafter(self, tracker: ConstraintTracker) -> ProductDrafter:
         """The product drafter of the tracker's automaton (built once per automaton)."""
@@ -242,10 +291,25 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         finally:
             self._index, self._path = None, None
 
+    def _start(self, prompt: list[int], prefill: BackboneStep | None) -> None:
+        """A context drafter starts the sequence with the prefill's pairs: the feature after
+        each prompt token but the last two, with the token that follows it."""
+        if self._context_drafter is None:
+            return
+        if prefill is None:
+            hidden = torch.zeros(1, 0, self.head.hidden_size, device=self.device)
+        else:
+            hidden = prefill.draft_hidden[:, :-1]
+        self._context_drafter.begin(hidden, torch.tensor(prompt[1:-1], dtype=torch.long))
+
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
                generator: torch.Generator | None, tracker: ConstraintTracker | None = None
                ) -> tuple[Transition, BackboneStep, RoundStats]:
         move, step, stats = self._speculative_round(c, hidden, config, generator, tracker)
+        if self._context_drafter is not None:  # the kept positions' features, from this round's verify
+            kept = move.keep - 1
+            self._context_drafter.follow(step.draft_hidden[:, :kept],
+                                         torch.tensor(move.emitted[:kept], dtype=torch.long))
         if self._index is not None:
             self._index.extend(move.emitted)
         if self._path is not None and tracker is not None:  # the tracker emits them after this
@@ -281,7 +345,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         size = 0
         t0 = now(clock)
         uniforms = None if config.greedy else program.draw_uniforms(generator)
-        if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT:
+        if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT \
+                and self._context_drafter is None:
             first = torch.tensor([c], device=clock)
             params = head_parameters(self.head.circuit, program.head_parameters(hidden, first))
             # n uniforms: the drafts', then the stand-in's (used when c is outside the draft
@@ -355,7 +420,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         """The tokens the constraint forces after the verified block ``[c, d_1..d_L]`` (PRODUCT
         drafting, the exact policy; at most ``window``, and what the backbone's cache can hold)."""
         if tracker is None or self.constrained_drafting is not ConstrainedDrafting.PRODUCT \
-                or self.policy is not CorrectionPolicy.EXACT:
+                or self.policy is not CorrectionPolicy.EXACT or self._context_drafter is not None:
             return []
         limit = window
         capacity = getattr(self.backbone, "max_length", None)
@@ -378,6 +443,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                          c: int, step: BackboneStep, config: SamplingConfig) -> None:
         """Turn a round's failed flag into the detailed error of the eager checks (rare path:
         the fast path only carries two booleans back to the host)."""
+        if not outcome.head_ok and self._context_drafter is not None:
+            raise DecoderError("the draft block's logits for this round are not finite")
         if not outcome.head_ok:
             with torch.no_grad():
                 first = torch.tensor([c], device=hidden.device)

@@ -196,3 +196,118 @@ def aggregate(results: list[DecodeResult]) -> DecodeSummary:
                           for result in results),
         prefill_s=sum(result.summary.prefill_s for result in results),
     )
+
+
+@dataclass(frozen=True)
+class BatchRoundStats:
+    """One round of batch decoding: one backbone call for every row still decoding.
+
+    Attributes:
+        rows: rows in the call (finished rows have left the batch).
+        block: tokens appended to every row (the longest row's verify block; shorter blocks are
+            padded and the padding rolled back).
+        emitted: tokens the round appended to the rows' outputs (before final truncation).
+        draft_s, verify_s, accept_s, total_s: seconds drafting every row, in the backbone call,
+            accepting every row (and the per-row rollback), and in all.
+    """
+
+    rows: int
+    block: int
+    emitted: int
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """Totals over a batch of prompts decoded together.
+
+    Attributes:
+        batch_size: prompts in the batch.
+        new_tokens: generated tokens returned, over every row.
+        rounds: batch rounds (backbone calls after the prefill).
+        backbone_calls: rounds plus the prefill call (when some prompt had >= 2 tokens).
+        drafted, accepted: draft tokens verified and accepted, over every row.
+        acceptance_rate: ``accepted / drafted`` (0 when nothing was drafted).
+        tokens_per_round: ``new_tokens / rounds``: tokens over the batch per backbone call.
+        mean_rows: rows per round, on average (finished rows leave the batch).
+        mean_latency_s: seconds per round.
+        mean_split_s: seconds per round of each phase (draft, verify, accept).
+        prefill_s, decode_s: seconds of the prefill call and of all rounds.
+        throughput: ``new_tokens / decode_s``: tokens per second over the batch (prefill excluded).
+    """
+
+    batch_size: int
+    new_tokens: int
+    rounds: int
+    backbone_calls: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    tokens_per_round: float
+    mean_rows: float
+    mean_latency_s: float
+    mean_split_s: dict[str, float] = field(default_factory=dict)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    throughput: float = 0.0
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """What ``generate`` returns for a batch of prompts.
+
+    Attributes:
+        rows: one :class:`DecodeResult` per prompt, in the input's order: its new tokens and its
+            own summary (its rounds are the batch rounds it took part in, each timed as the
+            whole batch round: a row's throughput is its tokens over the batch's time).
+        rounds: per batch round statistics, in order (:class:`BatchRoundStats`).
+        summary: batch totals (:class:`BatchSummary`).
+    """
+
+    rows: tuple[DecodeResult, ...]
+    rounds: list[BatchRoundStats]
+    summary: BatchSummary
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Each row's new tokens as a list of ids."""
+        return [row.tokens.tolist() for row in self.rows]
+
+
+def summarize_batch(rows: tuple[DecodeResult, ...], rounds: list[BatchRoundStats],
+                    prefill_calls: int, prefill_s: float) -> BatchSummary:
+    """Aggregate a batch's rows and rounds into a :class:`BatchSummary`."""
+    new_tokens = sum(row.summary.new_tokens for row in rows)
+    drafted = sum(row.summary.drafted for row in rows)
+    accepted = sum(row.summary.accepted for row in rows)
+    decode_s = sum(r.total_s for r in rounds)
+    phases = ("draft_s", "verify_s", "accept_s")
+    return BatchSummary(
+        batch_size=len(rows),
+        new_tokens=new_tokens,
+        rounds=len(rounds),
+        backbone_calls=len(rounds) + prefill_calls,
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=_ratio(accepted, drafted),
+        tokens_per_round=_ratio(new_tokens, len(rounds)),
+        mean_rows=_ratio(sum(r.rows for r in rounds), len(rounds)),
+        mean_latency_s=_ratio(decode_s, len(rounds)),
+        mean_split_s={p: _ratio(sum(getattr(r, p) for r in rounds), len(rounds)) for p in phases},
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        throughput=_ratio(new_tokens, decode_s),
+    )
+
+
+def single_row_batch(result: DecodeResult) -> BatchResult:
+    """A one-prompt batch's result from the single-prompt path's :class:`DecodeResult` (a batch
+    of one decodes as one prompt: no padding, no per-row bookkeeping)."""
+    summary = result.summary
+    rounds = [BatchRoundStats(1, r.drafted + 1, r.emitted, r.draft_s, r.verify_s, r.accept_s,
+                              r.total_s) for r in result.rounds]
+    return BatchResult((result,), rounds, summarize_batch(
+        (result,), rounds, summary.backbone_calls - summary.rounds, summary.prefill_s))

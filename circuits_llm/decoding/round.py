@@ -70,7 +70,7 @@ from circuits_llm.runtime.compiling import CompiledProgram, Compiler
 #: compiled programs (head x configuration) one process can hold before Dynamo recompiles stop
 MAX_PROGRAMS = 64
 
-__all__ = ["RoundProgram"]
+__all__ = ["AcceptProgram", "RoundProgram"]
 
 
 def _usable(raw: Tensor) -> Tensor:
@@ -78,7 +78,125 @@ def _usable(raw: Tensor) -> Tensor:
     return (~(torch.isnan(raw) | torch.isposinf(raw))).all() & (raw.amax(-1) > -math.inf).all()
 
 
-class RoundProgram:
+class AcceptProgram:
+    """The accept program of one decoding configuration, whatever drafted: the verifier's logits,
+    the draft and its conditionals ``q`` -> the accepted count and the emitted token
+    (:func:`~circuits_llm.decoding.acceptance.round_decisions`; greedy: the matching prefix and an
+    argmax). Shared by the circuit heads' :class:`RoundProgram` and by drafters that build their
+    drafts another way (:mod:`circuits_llm.draft_block`), so every drafter is verified by the same
+    code.
+
+    Args:
+        config: the sampling configuration (greedy when ``temperature == 0``).
+        window: ``n``: the verified token ``c`` and up to ``n - 1`` drafts.
+        vocab_size: ``V``, the model's vocabulary.
+        draft_tokens: (K,) long model ids of a compressed draft vocabulary (``q``'s columns), or
+            ``None`` (``q`` spans the whole vocabulary).
+        device: where the program's tensors live.
+        compile: run the accept program compiled
+            (:class:`~circuits_llm.runtime.compiling.CompiledProgram`).
+        compiler: the compiler when ``compile`` (``None``: the current one).
+        label: how the compiled program is named in warnings.
+    """
+
+    def __init__(self, config: SamplingConfig, window: int, vocab_size: int,
+                 draft_tokens: Tensor | None, device: torch.device, *, compile: bool = False,
+                 compiler: Compiler | None = None, label: str = "") -> None:
+        self.config = config
+        self.window = window
+        self.vocab_size = vocab_size
+        self.draft_tokens: Tensor | None = None if draft_tokens is None else draft_tokens.to(device)
+        # model id -> draft-vocabulary index (-1 outside it)
+        self.position: Tensor | None = None
+        if self.draft_tokens is not None:
+            position = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+            position[self.draft_tokens] = torch.arange(self.draft_tokens.numel(), device=device)
+            self.position = position
+        self.compiled = compile
+        self._accept: Callable[..., Tensor] = self._accept_program
+        if compile:
+            self._accept = CompiledProgram(self._accept_program, name=f"accept program ({label})",
+                                           device=device, compiler=compiler)
+
+    def accept(self, logits: Tensor, draft: DraftResult, uniforms: Tensor | None) -> Tensor:
+        """The verifier's ``logits`` (L+1, V) for the block ``[c, d_1..d_L]`` -> one long tensor
+        holding, in order, the draft tokens (n-1), ``L``, the accepted count, the emitted token,
+        and the head, verifier and evidence flags: everything :meth:`outcome` reads in the round's
+        one host transfer. Fewer than ``n`` rows are padded to ``n`` (rows the program masks), so
+        the accept program has one shape whatever ``L``."""
+        with torch.no_grad():
+            missing = self.window - logits.shape[0]
+            if missing:
+                logits = torch.nn.functional.pad(logits, (0, 0, 0, missing))
+            if draft.extra is None:
+                return self._accept(logits, draft.tokens, draft.q, draft.head_ok,
+                                    draft.possible, uniforms, draft.length)
+            return self._accept(logits, draft.tokens, draft.q, draft.head_ok, draft.possible,
+                                uniforms, draft.length, draft.extra)
+
+    def _accept_program(self, logits: Tensor, tokens: Tensor, q: Tensor | None, head_ok: Tensor,
+                        possible: Tensor, uniforms: Tensor | None,
+                        length: Tensor | None = None, extra: Tensor | None = None) -> Tensor:
+        """The compiled accept program: :meth:`_accept_eager` and the packing of its decisions with
+        the draft into :meth:`accept`'s one tensor (one output: one copy under CUDA graphs).
+        ``length`` () long: ``L`` (``None``: ``n - 1``); ``extra``: :attr:`DraftResult.extra`."""
+        if length is None:
+            length = torch.full((), self.window - 1, dtype=torch.long, device=tokens.device)
+        accepted, token, verifier_ok = self._accept_eager(logits, tokens, q, possible, uniforms,
+                                                          length, extra)
+        flags = torch.stack([head_ok, verifier_ok, possible]).long()
+        return torch.cat([tokens, length[None], accepted[None], token[None], flags])
+
+    def _accept_eager(self, logits: Tensor, tokens: Tensor, q: Tensor | None, possible: Tensor,
+                      uniforms: Tensor | None, length: Tensor | int | None = None,
+                      extra: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``logits`` (n, V) (rows after ``L + 1`` are padding, never read for a decision),
+        ``tokens`` (n-1,) model ids, ``q`` (n-1, K) or None (greedy; with ``extra`` (n-1,) long:
+        (n-1, K + 1), :attr:`DraftResult.extra`), ``length`` ``L`` (() long tensor or int;
+        ``None``: ``n - 1``) -> (accepted (), emitted token (), verifier ok ())."""
+        drafted = self.window - 1
+        verified = torch.arange(drafted, device=tokens.device) < (drafted if length is None
+                                                                   else length)
+        rows = self._verified_rows(logits, length)
+        if q is None:  # greedy: accept the prefix that matches the argmax, then emit an argmax
+            best = logits.argmax(-1)
+            ok = (torch.isfinite(logits.amax(-1)) | ~rows).all()
+            # a draft the head could not make (impossible X_0 = c) is never accepted: p_1 decides
+            matches = (tokens == best[:drafted]) & possible & verified
+            accepted = torch.cumprod(matches.long(), 0).sum()
+            return accepted, best.index_select(0, accepted[None])[0], ok
+        assert uniforms is not None
+        warped = warp_logits(logits, self.config)
+        ok = (torch.isfinite(warped.amax(-1)) | ~rows).all()
+        p = torch.softmax(warped.double(), -1)  # (n, V)
+        tests = uniforms[-self.window:]
+        accepted, row = self._decide(p, q, tokens, tests[:drafted], length, extra)
+        return accepted, draw_from_row(row, tests[drafted]), ok
+
+    def _verified_rows(self, logits: Tensor, length: Tensor | int | None) -> Tensor:
+        """(n,) bool: the verifier rows of the block ``[c, d_1..d_L]`` (the first ``L + 1``; the
+        rest is padding, whose validity does not matter)."""
+        bound = self.window if length is None else length + 1
+        return torch.arange(logits.shape[0], device=logits.device) < bound
+
+    def _decide(self, p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
+                length: Tensor | int | None = None, extra: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """:func:`~circuits_llm.decoding.acceptance.round_decisions` with this program's draft
+        vocabulary."""
+        return round_decisions(p, q, tokens, tests, length, self.position, self.draft_tokens,
+                               extra)
+
+    @staticmethod
+    def outcome(packed: Tensor) -> RoundOutcome:
+        """Read :meth:`accept`'s tensor on the host: the round's one synchronisation (a rule
+        whose ``L`` depends on the round adds one before the verify call)."""
+        values = packed.tolist()
+        return RoundOutcome(tuple(values[:values[-6]]), values[-5], values[-4], bool(values[-3]),
+                            bool(values[-2]), bool(values[-1]))
+
+
+class RoundProgram(AcceptProgram):
     """The draft and accept programs of one decoding configuration (head, greedy or sampling).
 
     Args:
@@ -113,23 +231,18 @@ class RoundProgram:
         self.lookup = lookup
         #: the number of drafts every round verifies, when the rule fixes it (else None)
         self.static_length = rule.static_length(self.window)
-        self.vocab_size: int = head.vocab_size  # type: ignore[attr-defined]
         device = self.circuit.device
-        tokens = getattr(head, "draft_tokens", None)
-        self.draft_tokens: Tensor | None = None if tokens is None else tokens.to(device)
+        label = (f"{getattr(head, 'architecture', None) or type(head).__name__} head, window "
+                 f"{self.window}, {'greedy' if config.greedy else 'sampling'}"
+                 f"{'' if rule == DraftLength.fixed() else ', draft length ' + rule.describe()}")
+        super().__init__(config, self.window, head.vocab_size,  # type: ignore[attr-defined]
+                         getattr(head, "draft_tokens", None), device, compile=compile,
+                         compiler=compiler, label=label)
         self.draft_size = self.circuit.category_sizes[0]
-        # model id -> draft-vocabulary index (-1 outside it)
-        self.position: Tensor | None = None
-        if self.draft_tokens is not None:
-            position = torch.full((self.vocab_size,), -1, dtype=torch.long, device=device)
-            position[self.draft_tokens] = torch.arange(self.draft_size, device=device)
-            self.position = position
-        self.compiled = compile
         #: eager refresh of the head's cached derived tensors, which compiled code only reads
         self._refresh: Callable[[], None] | None = getattr(head, "refresh_derived", None)
         self._draft: Callable[..., tuple[Tensor, Tensor | None, Tensor, Tensor]] = \
             self._draft_program
-        self._accept: Callable[..., Tensor] = self._accept_program
         self.tape_length = 0 if config.greedy else self._count_uniforms()
         if compile:
             # every program compiles the same two functions for its own head and configuration:
@@ -138,14 +251,9 @@ class RoundProgram:
             dynamo.recompile_limit = max(dynamo.recompile_limit, MAX_PROGRAMS)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit,
                                                      4 * MAX_PROGRAMS)
-            label = (f"{getattr(head, 'architecture', None) or type(head).__name__} head, window "
-                     f"{self.window}, {'greedy' if config.greedy else 'sampling'}"
-                     f"{'' if rule == DraftLength.fixed() else ', draft length ' + rule.describe()}")
             # outputs copied out under CUDA graphs; a program the compiler refuses runs eager
             self._draft = CompiledProgram(self._draft_program, name=f"draft program ({label})",
                                           device=device, compiler=compiler)
-            self._accept = CompiledProgram(self._accept_program, name=f"accept program ({label})",
-                                           device=device, compiler=compiler)
 
     # ------------------------------------------------------------------ randomness
     def _count_uniforms(self) -> int:
@@ -304,82 +412,3 @@ class RoundProgram:
                 return q
             return torch.stack([mixed_conditionals(row, path, component)
                                 for row, path in zip(q, states[:, 1:], strict=True)])
-
-    # ------------------------------------------------------------------ accept
-    def accept(self, logits: Tensor, draft: DraftResult, uniforms: Tensor | None) -> Tensor:
-        """The verifier's ``logits`` (L+1, V) for the block ``[c, d_1..d_L]`` -> one long tensor
-        holding, in order, the draft tokens (n-1), ``L``, the accepted count, the emitted token,
-        and the head, verifier and evidence flags: everything :meth:`outcome` reads in the round's
-        one host transfer. Fewer than ``n`` rows are padded to ``n`` (rows the program masks), so
-        the accept program has one shape whatever ``L``."""
-        with torch.no_grad():
-            missing = self.window - logits.shape[0]
-            if missing:
-                logits = torch.nn.functional.pad(logits, (0, 0, 0, missing))
-            if draft.extra is None:
-                return self._accept(logits, draft.tokens, draft.q, draft.head_ok,
-                                    draft.possible, uniforms, draft.length)
-            return self._accept(logits, draft.tokens, draft.q, draft.head_ok, draft.possible,
-                                uniforms, draft.length, draft.extra)
-
-    def _accept_program(self, logits: Tensor, tokens: Tensor, q: Tensor | None, head_ok: Tensor,
-                        possible: Tensor, uniforms: Tensor | None,
-                        length: Tensor | None = None, extra: Tensor | None = None) -> Tensor:
-        """The compiled accept program: :meth:`_accept_eager` and the packing of its decisions with
-        the draft into :meth:`accept`'s one tensor (one output: one copy under CUDA graphs).
-        ``length`` () long: ``L`` (``None``: ``n - 1``); ``extra``: :attr:`DraftResult.extra`."""
-        if length is None:
-            length = torch.full((), self.window - 1, dtype=torch.long, device=tokens.device)
-        accepted, token, verifier_ok = self._accept_eager(logits, tokens, q, possible, uniforms,
-                                                          length, extra)
-        flags = torch.stack([head_ok, verifier_ok, possible]).long()
-        return torch.cat([tokens, length[None], accepted[None], token[None], flags])
-
-    def _accept_eager(self, logits: Tensor, tokens: Tensor, q: Tensor | None, possible: Tensor,
-                      uniforms: Tensor | None, length: Tensor | int | None = None,
-                      extra: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """``logits`` (n, V) (rows after ``L + 1`` are padding, never read for a decision),
-        ``tokens`` (n-1,) model ids, ``q`` (n-1, K) or None (greedy; with ``extra`` (n-1,) long:
-        (n-1, K + 1), :attr:`DraftResult.extra`), ``length`` ``L`` (() long tensor or int;
-        ``None``: ``n - 1``) -> (accepted (), emitted token (), verifier ok ())."""
-        drafted = self.window - 1
-        verified = torch.arange(drafted, device=tokens.device) < (drafted if length is None
-                                                                   else length)
-        rows = self._verified_rows(logits, length)
-        if q is None:  # greedy: accept the prefix that matches the argmax, then emit an argmax
-            best = logits.argmax(-1)
-            ok = (torch.isfinite(logits.amax(-1)) | ~rows).all()
-            # a draft the head could not make (impossible X_0 = c) is never accepted: p_1 decides
-            matches = (tokens == best[:drafted]) & possible & verified
-            accepted = torch.cumprod(matches.long(), 0).sum()
-            return accepted, best.index_select(0, accepted[None])[0], ok
-        assert uniforms is not None
-        warped = warp_logits(logits, self.config)
-        ok = (torch.isfinite(warped.amax(-1)) | ~rows).all()
-        p = torch.softmax(warped.double(), -1)  # (n, V)
-        tests = uniforms[-self.window:]
-        accepted, row = self._decide(p, q, tokens, tests[:drafted], length, extra)
-        return accepted, draw_from_row(row, tests[drafted]), ok
-
-    def _verified_rows(self, logits: Tensor, length: Tensor | int | None) -> Tensor:
-        """(n,) bool: the verifier rows of the block ``[c, d_1..d_L]`` (the first ``L + 1``; the
-        rest is padding, whose validity does not matter)."""
-        bound = self.window if length is None else length + 1
-        return torch.arange(logits.shape[0], device=logits.device) < bound
-
-    def _decide(self, p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
-                length: Tensor | int | None = None, extra: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-        """:func:`~circuits_llm.decoding.acceptance.round_decisions` with this program's draft
-        vocabulary."""
-        return round_decisions(p, q, tokens, tests, length, self.position, self.draft_tokens,
-                               extra)
-
-    @staticmethod
-    def outcome(packed: Tensor) -> RoundOutcome:
-        """Read :meth:`accept`'s tensor on the host: the round's one synchronisation (a rule
-        whose ``L`` depends on the round adds one before the verify call)."""
-        values = packed.tolist()
-        return RoundOutcome(tuple(values[:values[-6]]), values[-5], values[-4], bool(values[-3]),
-                            bool(values[-2]), bool(values[-1]))
-

@@ -1,0 +1,294 @@
+"""Decoding a batch of prompts together, each row exactly as if it were decoded alone.
+
+One round runs one backbone call for every row still decoding:
+
+1. each row drafts as the single-prompt round does (:class:`SpeculativeRows`: its own
+   :class:`~circuits_llm.decoding.round.RoundProgram` draft from its hidden state and its next
+   token ``c``, its own uniforms, its own draft length ``L_b``), or takes an autoregressive step
+   (block ``[c]``: the autoregressive decoder, and a speculative row whose prompt had one token);
+2. the blocks ``[c, d_1..d_{L_b}]`` are padded to the longest and appended to every row in one
+   call of the :class:`~circuits_llm.backbone.ragged_cache.RaggedBackbone` (per-row positions and
+   attention masks: each row sees only its own tokens);
+3. each row accepts from its own verifier rows exactly as the single-prompt round does (the same
+   accept program, :func:`~circuits_llm.decoding.acceptance.transition`, the same
+   autoregressive draw); the padding after a row's block is never read (causal attention: it
+   cannot change the rows before it);
+4. each row keeps its own number of the block's tokens (``RaggedBackbone.keep``: rollback per
+   row), records its round, and checks its own stop condition (EOS, stop strings,
+   ``max_new_tokens``); rows that finish leave the batch (``RaggedBackbone.select``), so they
+   cost the others nothing.
+
+Each row's state (cache contents, hidden state, ``c``, output) is therefore the single-prompt
+decoder's after the same round, and its round is that decoder's round given the same logits:
+exactness per row is the single-prompt proof (docs/decoder-exactness.md). Randomness: one
+generator for the batch (the rows draw from it in turn each round) or one per row, which makes
+each row draw exactly what the single-prompt decoder draws from that generator.
+
+In batch mode, options whose state is tied to a single sequence raise
+:class:`~circuits_llm.decoding.warping.DecoderError` saying so (a constraint, a draft block,
+forced runs): decode those prompts one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from circuits_llm.backbone.ragged_cache import ragged_backbone
+from circuits_llm.decoding.acceptance import Transition, transition
+from circuits_llm.decoding.constraint_path import round_component
+from circuits_llm.decoding.lookup import LookupIndex
+from circuits_llm.decoding.metrics import (
+    BatchResult,
+    BatchRoundStats,
+    DecodeResult,
+    RoundKind,
+    RoundStats,
+    summarize,
+    summarize_batch,
+)
+from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.round_data import DraftResult
+from circuits_llm.decoding.stopping import StopCondition, StopScanner
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig
+from circuits_llm.protocols import BackboneStep
+
+__all__ = ["BatchDecoder", "BatchDrafter", "RowDraft", "SpeculativeRows", "decode_batch"]
+
+
+class BatchDecoder(Protocol):
+    """What the batch loop reads of a decoder
+    (:class:`~circuits_llm.decoding.autoregressive.AutoregressiveDecoder`)."""
+
+    backbone: Any
+
+    @property
+    def device(self) -> torch.device:
+        """Where token tensors are made."""
+        ...
+
+    def _clock(self) -> float:
+        """Seconds after the device's queued work."""
+        ...
+
+    def _decide_token(self, row: Tensor, config: SamplingConfig,
+                      generator: torch.Generator | None) -> int:
+        """An autoregressive step's token from the logits ``row`` (V,)."""
+        ...
+
+
+@dataclass
+class RowState:
+    """One row of a batch between rounds (the single-prompt decoder's state, per row).
+
+    Attributes:
+        index: the row's place in the input.
+        prompt: its prompt ids.
+        scanner: its stop condition's scanner.
+        generator: its randomness (shared with other rows, or its own).
+        c: the decided, uncached next token.
+        hidden: (1, d) the draft hidden state at the last cached token (``None``: none yet, a
+            one-token prompt).
+        lookup: its output indexed for the context copy (with a ``ContextLookup``).
+    """
+
+    index: int
+    prompt: list[int]
+    scanner: StopScanner
+    generator: torch.Generator | None
+    c: int
+    hidden: Tensor | None
+    lookup: LookupIndex | None = None
+    output: list[int] = field(default_factory=list)
+    rounds: list[RoundStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RowDraft:
+    """A row's draft for one round: the program that made it, the draft, the round's uniforms
+    (``None`` when greedy) and ``L``, the drafts it verifies."""
+
+    program: RoundProgram
+    draft: DraftResult
+    uniforms: Tensor | None
+    length: int
+
+    @property
+    def block(self) -> Tensor:
+        """(L + 1,) long: ``[c, d_1..d_L]``, the row's verify block."""
+        return self.draft.block[0, :self.length + 1]
+
+
+class BatchDrafter(Protocol):
+    """Drafts and accepts the speculative rows of a batch round (:class:`SpeculativeRows`)."""
+
+    def draft(self, row: RowState, config: SamplingConfig) -> RowDraft:
+        """The row's draft (its hidden state is not ``None``)."""
+        ...
+
+    def accept(self, row: RowState, draft: RowDraft, step: BackboneStep,
+               config: SamplingConfig) -> tuple[Transition, RoundKind, int, int]:
+        """The row's outcome from its verifier rows ``step`` (1, m, .) -> (the transition, the
+        round's kind, drafts verified, drafts accepted)."""
+        ...
+
+    def start(self, prompt: list[int]) -> LookupIndex | None:
+        """A row's per-sequence drafting state (the context copy's index), or ``None``."""
+        ...
+
+
+class SpeculativeRows:
+    """The speculative decoder's round, row by row, around one batched backbone call: the
+    draft and accept programs, the copy component and the transition of the single-prompt
+    round (:class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`), on one row's values.
+
+    Args:
+        decoder: the speculative decoder (its programs, policy, lookup and error reports).
+
+    Raises:
+        DecoderError: the decoder drafts with a draft block (a drafter with a KV cache of its
+            own, per sequence): not supported for a batch yet.
+    """
+
+    def __init__(self, decoder: Any) -> None:
+        if getattr(decoder, "_context_drafter", None) is not None:
+            raise DecoderError(
+                "a draft block (ContextDrafter) keeps one sequence's KV cache: a batch of prompts "
+                "is not supported with it yet; decode its prompts one at a time, or use a circuit "
+                "head")
+        self.decoder = decoder
+
+    def start(self, prompt: list[int]) -> LookupIndex | None:
+        lookup = self.decoder.lookup
+        return None if lookup is None else LookupIndex(lookup.max_ngram, prompt)
+
+    def draft(self, row: RowState, config: SamplingConfig) -> RowDraft:
+        decoder = self.decoder
+        program: RoundProgram = decoder._program(config)
+        uniforms = None if config.greedy else program.draw_uniforms(row.generator)
+        component = None
+        if row.lookup is not None:
+            component = round_component(decoder.lookup, row.lookup, None, -1, decoder._position,
+                                        program.window - 1, decoder.device, False)
+        draft = program.draft(row.hidden, torch.tensor([row.c], device=decoder.device), uniforms,
+                              component)
+        return RowDraft(program, draft, uniforms, program.verified(draft))
+
+    def accept(self, row: RowState, draft: RowDraft, step: BackboneStep,
+               config: SamplingConfig) -> tuple[Transition, RoundKind, int, int]:
+        program, length = draft.program, draft.length
+        logits = step.verifier_logits[0, :length + 1]
+        outcome = program.outcome(program.accept(logits, draft.draft, draft.uniforms))
+        verified = BackboneStep(step.verifier_logits[:, :length + 1], step.draft_hidden)
+        self.decoder._explain_failure(outcome, program, row.hidden, row.c, verified, config)
+        move = transition(self.decoder.policy, outcome.draft, outcome.accepted, outcome.token)
+        if not outcome.possible:  # every draft rejected, p_1 decided: an AR step in law
+            return move, RoundKind.AUTOREGRESSIVE, 0, outcome.accepted
+        return move, RoundKind.SPECULATIVE, len(outcome.draft), outcome.accepted
+
+
+def decode_batch(decoder: BatchDecoder, drafter: BatchDrafter | None, prompts: list[list[int]],
+                 conditions: Sequence[StopCondition], config: SamplingConfig,
+                 generators: Sequence[torch.Generator | None]) -> BatchResult:
+    """Decode ``prompts`` together (see the module docstring); arguments checked by the caller.
+
+    Args:
+        decoder: the decoder (its backbone, device, clock and autoregressive draw).
+        drafter: drafts the rows with a hidden state (``None``: every row takes autoregressive
+            steps).
+        prompts: the prompts (B of them, non-empty).
+        conditions: each row's stop condition.
+        config: the sampling configuration of every row.
+        generators: each row's generator (the same object for rows that share one).
+
+    Returns:
+        The :class:`~circuits_llm.decoding.metrics.BatchResult`: each row's tokens and summary,
+        in the input's order, and the batch's rounds and totals.
+    """
+    backbone = ragged_backbone(decoder.backbone)
+    device = decoder.device
+    start = decoder._clock()
+    hidden = backbone.start([prompt[:-1] for prompt in prompts])
+    prefill_calls = int(any(len(prompt) > 1 for prompt in prompts))
+    prefill_s = decoder._clock() - start if prefill_calls else 0.0
+    rows = [RowState(b, prompt, condition.scanner(prompt), generator, prompt[-1],
+                     hidden[b:b + 1] if len(prompt) > 1 else None,
+                     None if drafter is None else drafter.start(prompt))
+            for b, (prompt, condition, generator) in
+            enumerate(zip(prompts, conditions, generators, strict=True))]
+    results: dict[int, DecodeResult] = {}
+    active = _finish(rows, results, prefill_s)
+    if len(active) < len(rows):
+        backbone.select([row.index for row in active])
+    batch_rounds: list[BatchRoundStats] = []
+    while active:
+        t0 = decoder._clock()
+        drafts = [drafter.draft(row, config) if drafter is not None and row.hidden is not None
+                  else None for row in active]
+        blocks = [torch.tensor([row.c], device=device) if draft is None else draft.block
+                  for row, draft in zip(active, drafts, strict=True)]
+        width = max(block.shape[0] for block in blocks)
+        tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)
+        for b, block in enumerate(blocks):  # padding: the row's own c, rolled back after
+            tokens[b] = block[0]
+            tokens[b, :block.shape[0]] = block
+        t1 = decoder._clock()
+        step = backbone.extend(tokens)
+        t2 = decoder._clock()
+        moves, kinds = [], []
+        for b, (row, draft) in enumerate(zip(active, drafts, strict=True)):
+            if draft is None:
+                token = decoder._decide_token(step.verifier_logits[b, 0], config, row.generator)
+                moves.append(Transition((token,), token, 1))
+                kinds.append((RoundKind.AUTOREGRESSIVE, 0, 0))
+            else:
+                assert drafter is not None
+                move, kind, drafted, accepted = drafter.accept(
+                    row, draft, BackboneStep(step.verifier_logits[b:b + 1],
+                                             step.draft_hidden[b:b + 1]), config)
+                moves.append(move)
+                kinds.append((kind, drafted, accepted))
+        backbone.keep([move.keep for move in moves])
+        t3 = decoder._clock()
+        for b, (row, move, (kind, drafted, accepted)) in enumerate(
+                zip(active, moves, kinds, strict=True)):
+            row.hidden = step.draft_hidden[b:b + 1, move.keep - 1]
+            row.c = move.next_token
+            row.output.extend(move.emitted)
+            if row.lookup is not None:
+                row.lookup.extend(move.emitted)
+            row.rounds.append(RoundStats(kind, drafted, accepted, len(move.emitted),
+                                         draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2,
+                                         total_s=t3 - t0))
+        batch_rounds.append(BatchRoundStats(len(active), width, sum(len(m.emitted) for m in moves),
+                                            t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+        still = _finish(active, results, prefill_s)
+        if len(still) < len(active):
+            place = {id(row): b for b, row in enumerate(active)}
+            backbone.select([place[id(row)] for row in still])
+        active = still
+    ordered = tuple(results[b] for b in range(len(rows)))
+    return BatchResult(ordered, batch_rounds,
+                       summarize_batch(ordered, batch_rounds, prefill_calls, prefill_s))
+
+
+def _finish(rows: list[RowState], results: dict[int, DecodeResult], prefill_s: float
+            ) -> list[RowState]:
+    """Record the result of every row whose stop condition is met (its output cut where
+    ``generate`` stops); the rows still decoding, in order."""
+    active = []
+    for row in rows:
+        keep = row.scanner.keep(row.output)
+        if keep is None:
+            active.append(row)
+            continue
+        output = row.output[:keep]
+        calls = int(len(row.prompt) > 1)
+        results[row.index] = DecodeResult(
+            torch.tensor(output, dtype=torch.long), row.rounds,
+            summarize(row.rounds, len(output), calls, prefill_s if calls else 0.0))
+    return active

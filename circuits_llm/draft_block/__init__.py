@@ -1,0 +1,14 @@
+"""A draft that reads the context: FastMTP's MTP block (issue 44), beside the circuit heads.
+
+:mod:`~circuits_llm.draft_block.block` (:class:`DraftBlock`: one or ``L`` decoder layers of the
+target's shape over ``W [rms(h); rms(E[x])]``, the target's final norm and compressed LM head);
+:mod:`~circuits_llm.draft_block.drafter` (:class:`BlockDrafter`: recursive drafting with its own KV
+cache, which follows the verifier's; what :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`
+takes in place of a head); :mod:`~circuits_llm.draft_block.training` (the loss over depths, where
+later depths read the block's own outputs, and a training loop on cached prefill features).
+"""
+
+from circuits_llm.draft_block.block import BlockInit, DraftBlock, DraftBlockError
+from circuits_llm.draft_block.drafter import BlockDrafter, BlockRoundProgram
+
+__all__ = ["BlockDrafter", "BlockInit", "BlockRoundProgram", "DraftBlock", "DraftBlockError"]

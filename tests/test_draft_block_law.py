@@ -1,0 +1,113 @@
+"""Decoding with a draft block samples exactly the target's (warped) law.
+
+The decoder's law of the first tokens is enumerated on a tiny-vocabulary Llama: every draft path
+weighted by the block's own conditionals, computed here from a fresh block prefill of each history
+(independently of the decoder's cache following), every accept/reject outcome by
+:func:`~circuits_llm.decoding.acceptance.round_law`; it equals the brute-force target law, and a
+wrong ``q`` (the first step's law used for the second draft) is detected. The real ``generate``
+is then sampled against the target law (chi-square).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from draft_block_models import perturbed_block, tiny_llama
+from toy import add_outcomes, law_p_value, total_variation
+
+from circuits_llm.backbone import HFBackbone
+from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
+from circuits_llm.decoding.decoder import SpeculativeDecoder
+from circuits_llm.decoding.warping import SamplingConfig, target_probs, warp_logits
+from circuits_llm.draft_block import BlockDrafter, DraftBlock
+from circuits_llm.draft_block.drafter import _drop_last
+
+VOCAB = 4
+MODEL = tiny_llama(vocab=VOCAB, scale=3.0)
+PROMPT = [1, 2]
+WARPS = {"temperature": SamplingConfig(1.0), "top_k": SamplingConfig(0.7, top_k=2)}
+Law = dict[tuple[int, ...], float]
+
+
+def _target_law(length: int, config: SamplingConfig) -> Law:
+    law: Law = {(): 1.0}
+    for _ in range(length):
+        longer: Law = {}
+        for tokens, prob in law.items():
+            with torch.no_grad():
+                logits = MODEL(torch.tensor([[*PROMPT, *tokens]])).logits[0, -1]
+            for y, p in enumerate(target_probs(logits, config).tolist()):
+                if p > 0:
+                    longer[(*tokens, y)] = prob * p
+        law = longer
+    return law
+
+
+def _decoder_law(block: DraftBlock, length: int, config: SamplingConfig,
+                 wrong_q: bool = False) -> Law:
+    """The decoder's law, enumerated (two drafts per round)."""
+    assert block.window == 3 and block.draft_tokens is not None
+    ids = block.draft_tokens
+    backbone = HFBackbone(MODEL)
+
+    def law_of(logits: torch.Tensor) -> torch.Tensor:  # over the draft vocabulary, in V columns
+        full = torch.zeros(VOCAB, dtype=torch.float64)
+        full[ids] = torch.softmax(warp_logits(logits[0], config).double(), -1)
+        return full
+
+    def round_outcomes(sequence: tuple[int, ...]) -> Law:
+        outcomes: Law = defaultdict(float)
+        _, hidden = backbone.hidden_states(torch.tensor([sequence[:-1]]))
+        drafter = BlockDrafter(block)
+        drafter.begin(hidden[:, :-1], torch.tensor(sequence[1:-1], dtype=torch.long))
+        with torch.no_grad():
+            first = drafter.first_step(hidden[:, -1], torch.tensor([sequence[-1]]))
+            q1 = law_of(block.logits(first))
+            for d1 in ids.tolist():
+                _drop_last(drafter.cache, drafter.cache.get_seq_length() - drafter.length)
+                q2 = law_of(block.logits(drafter.next_step(first, torch.tensor([d1]))))
+                for d2 in ids.tolist():
+                    weight = float(q1[d1] * q2[d2])
+                    if weight <= 0:
+                        continue
+                    logits = MODEL(torch.tensor([[*sequence, d1, d2]])).logits[0, -3:]
+                    p = target_probs(logits, config)
+                    q = torch.stack([q1, q1 if wrong_q else q2])
+                    add_outcomes(outcomes, round_law(p, q, torch.tensor([d1, d2])),
+                                 torch.tensor([d1, d2]), CorrectionPolicy.EXACT, weight)
+        return outcomes
+
+    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
+        result: Law = defaultdict(float)
+        for emitted, prob in round_outcomes(sequence).items():
+            if len(emitted) >= remaining:
+                result[emitted[:remaining]] += prob
+                continue
+            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
+                result[emitted + tail] += prob * tail_prob
+        return result
+
+    return dict(continuation(tuple(PROMPT), length))
+
+
+@pytest.mark.parametrize("warp", list(WARPS))
+def test_enumerated_law_equals_target_and_a_wrong_q_is_detected(warp: str) -> None:
+    config = WARPS[warp]
+    block = perturbed_block(MODEL, steps=2, draft_vocab=[0, 2, 3], noise=0.3)
+    target = _target_law(3, config)
+    exact = _decoder_law(block, 3, config)
+    assert abs(sum(exact.values()) - 1) < 1e-12
+    assert total_variation(exact, target) <= 1e-9
+    assert total_variation(_decoder_law(block, 3, config, wrong_q=True), target) > 1e-3
+
+
+def test_sampled_generate_follows_the_target_law() -> None:
+    config = WARPS["temperature"]
+    block = perturbed_block(MODEL, steps=2, draft_vocab=[0, 2, 3], noise=0.3)
+    decoder = SpeculativeDecoder(MODEL, BlockDrafter(block))
+    generator = torch.Generator().manual_seed(0)
+    samples = [tuple(decoder.generate(PROMPT, 2, temperature=1.0, generator=generator,
+                                      eos_token_id=()).tokens.tolist()) for _ in range(800)]
+    assert law_p_value(samples, _target_law(2, config)) > 1e-3
