@@ -6,6 +6,7 @@ What a user needs first, one import away::
 
     loaded = cl.load_model("embedded")          # or "smollm2", an HF directory, a .gguf file
     head = cl.MTPHead.from_name("btree", window=8, rank=16, hidden_size=..., vocab_size=...)
+    head = cl.shipped_head("smollm2", "btree")  # a trained head that ships with the package
     result = cl.SpeculativeDecoder(loaded.model, head).generate(prompt_ids, max_new_tokens=64)
     # exact options: verify only confident drafts; mix a copy of the context into the drafts
     cl.SpeculativeDecoder(loaded.model, head, lookup=cl.ContextLookup(),
@@ -18,6 +19,7 @@ tokenizers, corpora), :mod:`circuits_llm.decoding` (the decoders and the round),
 reports) and :mod:`circuits_llm.runtime` (timing, devices, checkpoints).
 """
 
+from circuits_llm.app.head_cache import shipped_head
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup
@@ -36,4 +38,5 @@ __all__ = [
     "load_model",
     "register_head_kind",
     "save_head",
+    "shipped_head",
 ]

@@ -23,7 +23,7 @@ FLOORS = {
     "circuits_llm.embedded": 1,
     "circuits_llm.text": 2,
     "circuits_llm.backbone": 3, "circuits_llm.constraints": 3,
-    "circuits_llm.decoding": 4,
+    "circuits_llm.decoding": 4, "circuits_llm.draft_block": 4,
     "circuits_llm.training": 5,
     "circuits_llm.app": 6,
     "circuits_llm.__main__": 7,
@@ -179,6 +179,7 @@ def test_circuits_imports_nothing_llm_specific(graph: dict[str, set[str]]) -> No
 
 def test_the_package_face() -> None:
     import circuits_llm
+    from circuits_llm.app.head_cache import shipped_head
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     from circuits_llm.decoding.draft_length import DraftLength
     from circuits_llm.decoding.lookup import ContextLookup
@@ -189,7 +190,8 @@ def test_the_package_face() -> None:
     face = {"DraftLength": DraftLength, "ContextLookup": ContextLookup,
             "load_model": load_model, "MTPHead": MTPHead, "SpeculativeDecoder": SpeculativeDecoder,
             "AutoregressiveDecoder": AutoregressiveDecoder, "StopCondition": StopCondition,
-            "save_head": save_head, "load_head": load_head, "register_head_kind": register_head_kind}
+            "save_head": save_head, "load_head": load_head, "register_head_kind": register_head_kind,
+            "shipped_head": shipped_head}
     assert sorted(circuits_llm.__all__) == sorted(face)
     for name, value in face.items():
         assert getattr(circuits_llm, name) is value

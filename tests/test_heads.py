@@ -317,6 +317,52 @@ def test_save_load_round_trip(tmp_path: Path, name: str, variant: HeadVariant) -
     assert not list((tmp_path / "head").glob(".*tmp"))  # no temporary files left behind
 
 
+def test_save_in_float16_with_tied_token_rows_stored_once(tmp_path: Path) -> None:
+    """``save_head(..., storage_dtype=torch.float16)``: floats in half the bytes, read back as the
+    head's dtype; a LEAN head whose token input reads the LM head's own rows (tied embeddings)
+    stores them once, and a file that disagrees with its config is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from circuits.files import sha256_file
+    weight = lm_head(5, 8)
+    head = MTPHead.from_name("btree", 4, 3, 8, 5, "lean", weight, token_embedding=weight)
+    untied = MTPHead.from_name("btree", 4, 3, 8, 5, "lean", weight,
+                               token_embedding=lm_head(5, 8, seed=1))
+    save_head(head, tmp_path / "tied", storage_dtype=torch.float16)
+    save_head(untied, tmp_path / "untied")
+    stored = load_file(str(tmp_path / "tied" / "head.safetensors"))
+    assert "token_input.embedding" not in stored and "inputs.lm_head" in stored
+    assert all(v.dtype == torch.float16 for v in stored.values() if v.is_floating_point())
+    config = json.loads((tmp_path / "tied" / "head_config.json").read_text())
+    assert config["storage_dtype"] == "float16" and config["tied_token_embedding"]
+    assert config["format_version"] == 4
+    loaded = load_head(tmp_path / "tied")
+    assert loaded.dtype == torch.float32
+    assert torch.equal(loaded.token_input.embedding, weight.half().float())
+    for name, value in head.state_dict().items():
+        if value.is_floating_point() and not name.startswith("circuit."):
+            assert torch.equal(loaded.state_dict()[name], value.half().float()), name
+    assert "token_input.embedding" in load_file(str(tmp_path / "untied" / "head.safetensors"))
+    assert not json.loads((tmp_path / "untied" / "head_config.json").read_text())[
+        "tied_token_embedding"]
+    with pytest.raises(HeadConfigError, match="storage_dtype must be None"):
+        save_head(head, tmp_path / "int", storage_dtype=torch.int8)
+    # a tensor of another float type than the config records is refused, with a valid checksum
+    path = tmp_path / "tied" / "head.safetensors"
+    save_file({**stored, "inputs.lm_head": stored["inputs.lm_head"].float()}, str(path))
+    config_path = tmp_path / "tied" / "head_config.json"
+    config_path.write_text(json.dumps({**config, "tensors_sha256": sha256_file(path)}))
+    with pytest.raises(HeadConfigError, match=r"inputs\.lm_head'\] are not float16"):
+        load_head(tmp_path / "tied")
+    save_file({**stored, "token_input.embedding": stored["inputs.lm_head"].clone()}, str(path))
+    config_path.write_text(json.dumps({**config, "tensors_sha256": sha256_file(path)}))
+    with pytest.raises(HeadConfigError, match="but the file holds both"):
+        load_head(tmp_path / "tied")
+    config_path.write_text(json.dumps({**config, "variant": "full"}))
+    with pytest.raises(HeadConfigError, match="tied_token_embedding needs a LEAN head"):
+        load_head(tmp_path / "tied")
+
+
 def test_load_rejects_mismatches_and_damage(tmp_path: Path) -> None:
     directory = tmp_path / "head"
     save_head(named("hmm"), directory)

@@ -279,3 +279,40 @@ def test_cli_reports_bad_arguments_in_one_line(tmp_path: Path,
                  str(tmp_path / "run")]) == 2
     assert "no such directory" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_head_fingerprint_ignores_how_the_file_stores_tensors() -> None:
+    """A run checkpointed before head format 4 (float16 storage, tied rows) still resumes: the
+    fingerprint of a head's structure is the one format 3 wrote (recorded value)."""
+    from circuits_llm.heads import MTPHead
+    from circuits_llm.training.build import head_fingerprint
+    head = MTPHead.from_name("btree", window=4, rank=4, hidden_size=16, vocab_size=64,
+                             variant="lean", lm_head_weight=torch.randn(64, 16),
+                             draft_vocab=torch.arange(10))
+    assert head_fingerprint(head) == \
+        "9d0961b0025b45c0bfe70adb122755005fccd6af8973850579255665f83ad2f2"
+
+
+def test_init_from_a_float16_head_keeps_the_models_exact_rows(tmp_path: Path) -> None:
+    """``init_from`` a head stored in float16 (as the shipped heads are) copies its trained
+    tensors, but the frozen copies of the model's rows (LEAN LM head, token embedding) stay the
+    model's own, not their float16 rounding."""
+    from circuits_llm.heads import MTPHead, save_head
+    from circuits_llm.training.build import start_from
+    torch.manual_seed(0)
+    rows = torch.randn(64, 16)
+
+    def build() -> MTPHead:
+        return MTPHead.from_name("btree", window=4, rank=4, hidden_size=16, vocab_size=64,
+                                 variant="lean", lm_head_weight=rows, token_embedding=rows,
+                                 draft_vocab=torch.arange(10))
+
+    saved = build()
+    with torch.no_grad():
+        saved.sums.weight.normal_()
+    save_head(saved, tmp_path / "head", storage_dtype=torch.float16)
+    head = build()
+    start_from(head, tmp_path / "head")
+    assert torch.equal(head.inputs.lm_head, rows[:10])
+    assert torch.equal(head.token_input.embedding, saved.token_input.embedding)
+    torch.testing.assert_close(head.sums.weight, saved.sums.weight.half().float())

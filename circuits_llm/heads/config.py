@@ -13,10 +13,14 @@ from typing import Any
 
 #: Bumped whenever the meaning of ``head_config.json`` or the tensor names change. Version 2
 #: added the draft vocabulary and the model fingerprint, version 3 the verified-token input
-#: (``token_width``); older files (without them) still load.
-FORMAT_VERSION = 3
+#: (``token_width``), version 4 tensors stored in a narrower float (``storage_dtype``) and the
+#: token input's rows stored once when they equal the LM head's (``tied_token_embedding``);
+#: older files (without them) still load.
+FORMAT_VERSION = 4
 #: Every version this library reads.
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
+#: ``storage_dtype`` values: floats a head's tensor file may hold instead of its ``dtype``
+STORAGE_DTYPES = ("float16", "bfloat16")
 
 
 class HeadVariant(Enum):
@@ -77,6 +81,11 @@ class HeadConfig:
             ``token_width``).
         model_fingerprint: the backbone's ``circuits_llm.text.models.config_fingerprint`` the head
             was built for, or None when unknown; a load for another model is refused.
+        storage_dtype: the float type of the tensor file's floating-point tensors when narrower
+            than ``dtype`` (``"float16"`` or ``"bfloat16"``: half the bytes; a load casts them
+            to ``dtype``), or None (stored as ``dtype``).
+        tied_token_embedding: the token input's embedding rows equal the LEAN LM-head rows (a
+            model with tied embeddings) and are stored once, as ``inputs.lm_head``.
         tensors_sha256: SHA-256 of ``head.safetensors`` as written with this config.
         format_version: :data:`FORMAT_VERSION` of the writer.
     """
@@ -98,6 +107,8 @@ class HeadConfig:
     token_width: int | None = None
     token_embedding_size: int | None = None
     model_fingerprint: str | None = None
+    storage_dtype: str | None = None
+    tied_token_embedding: bool = False
     tensors_sha256: str | None = None
     format_version: int = FORMAT_VERSION
 
@@ -150,7 +161,7 @@ class HeadConfig:
             if raw.get(name) is not None and not isinstance(raw[name], str):
                 raise HeadConfigError(f"{source}: {name} must be null or a string, got "
                                       f"{raw[name]!r}")
-        for name in ("input_bias", "identity_init"):
+        for name in ("input_bias", "identity_init", "tied_token_embedding"):
             if name in raw and not isinstance(raw[name], bool):
                 raise HeadConfigError(f"{source}: {name} must be true or false, got {raw[name]!r}")
         bias = raw.get("identity_bias", 0.0)
@@ -161,4 +172,12 @@ class HeadConfig:
         parse_variant(raw["variant"])
         if raw.get("dtype", "float32") not in ("float32", "float64"):
             raise HeadConfigError(f"{source}: dtype must be float32 or float64, got {raw['dtype']!r}")
+        if raw.get("storage_dtype") not in (None, *STORAGE_DTYPES):
+            raise HeadConfigError(f"{source}: storage_dtype must be null or one of "
+                                  f"{', '.join(STORAGE_DTYPES)}, got {raw['storage_dtype']!r}")
+        if raw.get("tied_token_embedding") and (
+                parse_variant(raw["variant"]) is not HeadVariant.LEAN
+                or raw.get("token_embedding_size") != raw["hidden_size"]):
+            raise HeadConfigError(f"{source}: tied_token_embedding needs a LEAN head whose token "
+                                  "input reads embeddings of the hidden size")
         return cls(**raw)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,14 @@ from circuits_llm.heads.config import HeadConfigError, HeadVariant, parse_varian
 from circuits_llm.heads.kinds import head_kind
 from circuits_llm.heads.projections import FoldShape, FullInputs, LeanInputs, SumProjection
 from circuits_llm.heads.token_input import TokenInput, check_token_options, mix_token
-from circuits_llm.heads.vocab import check_draft_tokens
+from circuits_llm.heads.vocab import (
+    COMPRESS_ABOVE,
+    DraftVocab,
+    DraftVocabSource,
+    DraftVocabSpec,
+    check_draft_tokens,
+    resolve_draft_vocab,
+)
 
 
 def check_head_circuit(circuit: Circuit, vocab_size: int, *, compressed: bool = False) -> int:
@@ -219,6 +226,9 @@ class MTPHead(nn.Module):
         tokens = None if draft_vocab is None else check_draft_tokens(draft_vocab, vocab_size)
         #: ``K``: the categories of every circuit variable (``V`` without compression)
         self.draft_vocab_size = vocab_size if tokens is None else int(tokens.numel())
+        #: how the draft vocabulary was chosen (:meth:`from_name` records its default)
+        self.draft_vocab_source = DraftVocabSource.FULL if tokens is None else \
+            DraftVocabSource.GIVEN
         self.window = check_head_circuit(circuit, self.draft_vocab_size,
                                          compressed=tokens is not None)
         self.hidden_size = hidden_size
@@ -285,23 +295,36 @@ class MTPHead(nn.Module):
     def from_name(cls, name: str | Architecture, window: int, rank: int, hidden_size: int,
                   vocab_size: int, variant: HeadVariant | str = HeadVariant.FULL,
                   lm_head_weight: Tensor | None = None, *, identity_init: bool | None = None,
-                  draft_vocab: Tensor | Sequence[int] | None = None,
-                  **options: object) -> MTPHead:
+                  draft_vocab: DraftVocabSpec = DraftVocab.AUTO, eos_ids: Iterable[int] = (),
+                  compress_above: int = COMPRESS_ABOVE, **options: object) -> MTPHead:
         """A head over a registered head kind: ``ff``, ``cp``, ``hmm``, ``btree`` or one added
         with :func:`~circuits_llm.heads.register_head_kind`.
 
-        ``identity_init`` defaults to the kind's (True for ``hmm``, Appendix E); ``draft_vocab``
-        (K model ids) builds the kind's circuit over ``K`` categories; other keyword options are
-        those of :class:`MTPHead`. ``ff`` requires ``rank=1``. Raises
-        :class:`~circuits.errors.UnknownArchitectureError` (listing the registered names) for
-        other names and :class:`HeadConfigError` for ``window < 2``.
+        ``identity_init`` defaults to the kind's (True for ``hmm``, Appendix E); other keyword
+        options are those of :class:`MTPHead`. ``ff`` requires ``rank=1``.
+
+        The draft vocabulary (:func:`~circuits_llm.heads.vocab.resolve_draft_vocab`; the choice
+        is :attr:`draft_vocab_source`, shown in ``repr``): by default, on a vocabulary larger than
+        ``compress_above`` (:data:`~circuits_llm.heads.vocab.COMPRESS_ABOVE`, 16,384 ids) the
+        head drafts over its first :data:`~circuits_llm.heads.vocab.DEFAULT_DRAFT_VOCAB` ids
+        (for a BPE vocabulary the bytes and earliest merges) and the ``eos_ids``, chosen without
+        data, since its input units cost ``O(V)`` each per round; every other id gets draft
+        probability 0 and the verifier's residual covers it, so the output law stays the LM's.
+        ``draft_vocab="full"`` (or None) drafts over every id, an int ``K`` over the first ``K``
+        ids (and ``eos_ids``), a (K,) tensor or sequence over those ids (e.g.
+        :func:`~circuits_llm.heads.vocab.frequent_tokens` of the training data).
+
+        Raises :class:`~circuits.errors.UnknownArchitectureError` (listing the registered names)
+        for other names and :class:`HeadConfigError` for ``window < 2`` or a bad ``draft_vocab``.
         """
         kind = head_kind(name)
         if not isinstance(window, int) or isinstance(window, bool) or window < 2:
             raise HeadConfigError(
                 f"window must be an int >= 2 (a draft of at least one token after the verified "
                 f"one), got {window!r}")
-        tokens = None if draft_vocab is None else check_draft_tokens(draft_vocab, vocab_size)
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise HeadConfigError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        tokens, source = resolve_draft_vocab(draft_vocab, vocab_size, eos_ids, compress_above)
         circuit = kind.circuit(window, rank, vocab_size if tokens is None else int(tokens.numel()))
         if identity_init is None:
             identity_init = kind.identity_init
@@ -309,6 +332,7 @@ class MTPHead(nn.Module):
                    identity_init=identity_init, **options)  # type: ignore[arg-type]
         head.architecture = kind.name
         head.rank = rank
+        head.draft_vocab_source = source
         return head
 
     # ------------------------------------------------------------------ forward
@@ -430,9 +454,20 @@ class MTPHead(nn.Module):
                                0 if token is None else token.width,
                                0 if token is None else token.embedding_size)
 
+    def describe_draft_vocab(self) -> str:
+        """The draft vocabulary in words, e.g. ``"4096 of 49152 ids (default: the leading ids
+        and EOS; draft_vocab='full' opts out)"`` (what ``repr`` shows)."""
+        source = self.draft_vocab_source
+        if self.draft_tokens is None:
+            return f"full ({self.vocab_size} ids)"
+        size = f"{self.draft_vocab_size} of {self.vocab_size} ids"
+        if source is DraftVocabSource.DEFAULT:
+            return f"{size} (default: the leading ids and EOS; draft_vocab='full' opts out)"
+        return f"{size} ({source.value})"
+
     def extra_repr(self) -> str:
         name = self.architecture or "custom"
         return (f"architecture={name}, window={self.window}, rank={self.rank}, "
                 f"variant={self.variant.value}, hidden_size={self.hidden_size}, "
-                f"vocab_size={self.vocab_size}, draft_vocab_size={self.draft_vocab_size}, "
+                f"vocab_size={self.vocab_size}, draft_vocab={self.describe_draft_vocab()}, "
                 f"reads_token={self.reads_token}, parameters={self.num_parameters()}")

@@ -15,6 +15,14 @@ distinct and inside the vocabulary. A head built for a known backbone records it
 fingerprint (``model_fingerprint``); :func:`load_head` refuses, in one
 :class:`~circuits_llm.heads.HeadConfigError`, a head whose hidden size, vocabulary size or
 fingerprint differs from the model it is loaded for.
+
+``save_head(head, directory, storage_dtype=torch.float16)`` stores the floating-point tensors in
+half the bytes (``storage_dtype`` in the config; a load casts them back to the head's dtype): a
+head approximates the model, and the decoder's law is exact for any head. This is how the heads
+shipped in the package are stored (:mod:`circuits_llm.heads.shipped`). A LEAN head that reads
+the verified token keeps two frozen ``(K, d)`` row sets of the model, its LM head's and its input
+embedding's; when they are equal (a model with tied embeddings) the file holds them once
+(``tied_token_embedding``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ CONFIG_FILE = "head_config.json"
 #: the tensor holding a compressed draft vocabulary
 DRAFT_TOKENS = "draft_tokens"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: the LEAN LM-head rows, and the token input's rows that may be stored as them
+_LM_HEAD_ROWS, _TOKEN_ROWS = "inputs.lm_head", "token_input.embedding"
 
 
 def draft_tokens_sha256(tokens: Tensor) -> str:
@@ -83,17 +94,66 @@ def head_config(head: MTPHead) -> HeadConfig:
         model_fingerprint=head.model_fingerprint)
 
 
-def save_head(head: MTPHead, directory: str | Path) -> None:
-    """Write ``head`` to ``directory`` (created if needed); see the module docstring."""
+def _tied_rows(tensors: dict[str, Tensor]) -> bool:
+    """Whether the token input's rows equal the LEAN LM-head rows (stored once)."""
+    lm_head, rows = tensors.get(_LM_HEAD_ROWS), tensors.get(_TOKEN_ROWS)
+    return lm_head is not None and rows is not None and lm_head.shape == rows.shape \
+        and bool(torch.equal(lm_head, rows))
+
+
+def save_head(head: MTPHead, directory: str | Path, *,
+              storage_dtype: torch.dtype | None = None) -> None:
+    """Write ``head`` to ``directory`` (created if needed); see the module docstring.
+
+    Args:
+        storage_dtype: ``torch.float16`` or ``torch.bfloat16``: store the floating-point tensors
+            in that type (half the bytes of float32; loads cast back); None: as the head's dtype.
+    """
     config = head_config(head)  # fails before anything is written
+    stored = {value: name for name, value in _STORAGE_DTYPES.items()}
+    if storage_dtype is not None and storage_dtype != head.dtype and storage_dtype not in stored:
+        raise HeadConfigError(f"storage_dtype must be None, torch.float16 or torch.bfloat16, got "
+                              f"{storage_dtype}")
+    narrow = storage_dtype in stored
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: value.detach().cpu().contiguous() for name, value in head_tensors(head).items()}
+    tied = _tied_rows(tensors)
+    if tied:
+        del tensors[_TOKEN_ROWS]
+    if narrow:
+        tensors = {name: value.to(storage_dtype) if value.is_floating_point() else value
+                   for name, value in tensors.items()}
     tensors_path = directory / TENSORS_FILE
+    config = replace(config, storage_dtype=stored[storage_dtype] if narrow else None,
+                     tied_token_embedding=tied)
     atomic_write(tensors_path, lambda tmp: save_file(tensors, str(tmp), metadata={
         "format_version": str(config.format_version)}))
     config = replace(config, tensors_sha256=sha256_file(tensors_path))
     atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(config.to_json() + "\n"))
+
+
+def _stored_tensors(config: HeadConfig, tensors: dict[str, Tensor], source: Path
+                    ) -> dict[str, Tensor]:
+    """The file's tensors as the head holds them: floats in the head's dtype, the token input's
+    rows restored from the LM head's when they were stored once."""
+    if config.storage_dtype is not None:
+        wanted = _STORAGE_DTYPES[config.storage_dtype]
+        wrong = sorted(name for name, value in tensors.items()
+                       if value.is_floating_point() and value.dtype != wanted)
+        if wrong:
+            raise HeadConfigError(f"{source}: tensors {wrong} are not {config.storage_dtype} as "
+                                  "the config records; the files do not belong together")
+        dtype = _DTYPES[config.dtype]
+        tensors = {name: value.to(dtype) if value.is_floating_point() else value
+                   for name, value in tensors.items()}
+    if config.tied_token_embedding:
+        if _TOKEN_ROWS in tensors or _LM_HEAD_ROWS not in tensors:
+            raise HeadConfigError(f"{source}: the config records the token input's rows as the "
+                                  f"LM head's ({_LM_HEAD_ROWS}), but the file holds "
+                                  f"{'both' if _TOKEN_ROWS in tensors else 'neither'}")
+        tensors = {**tensors, _TOKEN_ROWS: tensors[_LM_HEAD_ROWS]}
+    return tensors
 
 
 def _rebuild_circuit(config: HeadConfig, source: Path) -> Circuit:
@@ -188,6 +248,7 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
     except (SafetensorError, OSError, ValueError) as error:
         raise HeadConfigError(f"{tensors_path} cannot be read ({error}); the file is corrupt") \
             from None
+    tensors = _stored_tensors(config, tensors, tensors_path)
     tokens = _draft_tokens(config, tensors, tensors_path)
     circuit = _rebuild_circuit(config, config_path)
     variant = parse_variant(config.variant)

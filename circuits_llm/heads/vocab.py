@@ -11,6 +11,9 @@ is corrected by the verifier's residual like any other (see ``docs/decoder-exact
 * :func:`frequent_tokens`: the ``K`` ids a head drafts over, by decreasing frequency (ties by
   increasing id), optionally always including some ids (EOS, so a draft can end an answer).
 * :func:`check_draft_tokens`, :func:`draft_positions`: validation and the id -> draft-index map.
+* :func:`leading_tokens`, :func:`resolve_draft_vocab`: the draft vocabulary chosen without data
+  that ``MTPHead.from_name`` uses by default on a vocabulary larger than :data:`COMPRESS_ABOVE`
+  (the first :data:`DEFAULT_DRAFT_VOCAB` ids, plus the EOS ids), or the one a caller names.
 
 A head's draft vocabulary (``MTPHead(..., draft_vocab=tokens)``) is a ``(K,)`` long tensor of
 distinct model ids; the circuit's category ``k`` is model id ``tokens[k]``.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 import torch
@@ -27,11 +31,19 @@ from torch import Tensor
 
 from circuits_llm.heads.config import HeadConfigError
 
-__all__ = ["TokenCounts", "check_draft_tokens", "draft_positions", "frequent_tokens",
-           "token_counts"]
+__all__ = ["COMPRESS_ABOVE", "DEFAULT_DRAFT_VOCAB", "DraftVocab", "DraftVocabSource",
+           "TokenCounts", "check_draft_tokens", "draft_positions", "frequent_tokens",
+           "leading_tokens", "resolve_draft_vocab", "token_counts"]
 
 #: ids counted per step of :func:`token_counts` (bounds its memory: 8 bytes per id)
 COUNT_CHUNK = 1 << 22
+#: ``MTPHead.from_name`` drafts over a compressed vocabulary by default when the model's has more
+#: ids than this (a head's input units cost ``O(V)`` each per round; below it they are cheap)
+COMPRESS_ABOVE = 16384
+#: ``K`` of that default draft vocabulary. Measured with ``python -m benchmarks.decoder_bench
+#: --first-head``: the README's first head on SmolLM2-135M (BTree, window 8, rank 16, LEAN)
+#: costs at most 15% of a verify forward with it (about 1.0x over the whole vocabulary)
+DEFAULT_DRAFT_VOCAB = 4096
 
 TokenSource = Tensor | np.ndarray | Iterable[Tensor | np.ndarray | Sequence[int]]
 
@@ -200,3 +212,91 @@ def draft_positions(tokens: Tensor, vocab_size: int) -> Tensor:
     position = torch.full((vocab_size,), -1, dtype=torch.long, device=tokens.device)
     position[tokens] = torch.arange(tokens.numel(), device=tokens.device)
     return position
+
+
+class DraftVocab(Enum):
+    """The named choices of ``MTPHead.from_name(..., draft_vocab=)`` (besides a size or ids).
+
+    ``AUTO`` (the default): a compressed vocabulary of :data:`DEFAULT_DRAFT_VOCAB` leading ids
+    when the vocabulary is larger than :data:`COMPRESS_ABOVE`, else every id. ``FULL``: every id.
+    """
+
+    AUTO = "auto"
+    FULL = "full"
+
+
+class DraftVocabSource(Enum):
+    """How a head's draft vocabulary was chosen (shown in the head's ``repr``)."""
+
+    FULL = "full"             #: every id of the vocabulary
+    DEFAULT = "default"       #: by default: the leading ids and the EOS ids
+    LEADING = "leading ids"   #: an explicit size ``K``: the leading ids and the EOS ids
+    GIVEN = "given ids"       #: ids the caller passed (e.g. :func:`frequent_tokens` of data)
+
+
+#: what ``draft_vocab=`` accepts: a named choice (or its value), a size ``K``, ids, or None (every id)
+DraftVocabSpec = DraftVocab | str | int | Tensor | Sequence[int] | None
+
+
+def leading_tokens(vocab_size: int, k: int, always: Iterable[int] = ()) -> Tensor:
+    """The ``k`` smallest ids ``0 .. k-1``, with the ids of ``always`` (e.g. EOS) in place of the
+    last ones when they lie beyond: a draft vocabulary chosen without data.
+
+    In a BPE vocabulary ids follow the merges, so the first ids are the bytes, the special tokens
+    and the earliest (most frequent) merges. This is :func:`frequent_tokens` over all-zero counts
+    (every tie broken by increasing id), so the result has its order and checks.
+
+    Returns:
+        (K,) int64 distinct ids (CPU), increasing.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise HeadConfigError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+    return frequent_tokens(TokenCounts(torch.zeros(vocab_size, dtype=torch.int64)), k,
+                           always=always)
+
+
+def resolve_draft_vocab(draft_vocab: DraftVocabSpec, vocab_size: int, eos_ids: Iterable[int] = (),
+                        compress_above: int = COMPRESS_ABOVE,
+                        ) -> tuple[Tensor | None, DraftVocabSource]:
+    """The draft ids ``MTPHead.from_name`` builds a head over, and how they were chosen.
+
+    Args:
+        draft_vocab: :attr:`DraftVocab.AUTO` (or ``"auto"``): :func:`leading_tokens` of size
+            :data:`DEFAULT_DRAFT_VOCAB` when ``vocab_size`` exceeds ``compress_above`` (and that
+            size), else every id;
+            :attr:`DraftVocab.FULL` (``"full"``) or None: every id; an int ``K``: the ``K``
+            leading ids; a (K,) tensor or sequence of ids: those ids.
+        vocab_size: ``V``, the model's vocabulary.
+        eos_ids: ids a data-free choice always keeps (the model's EOS ids), so a draft can end an
+            answer where the model would.
+        compress_above: the threshold of ``AUTO`` (default :data:`COMPRESS_ABOVE`).
+
+    Returns:
+        ``(tokens, source)``: (K,) int64 ids or None for every id, and a
+        :class:`DraftVocabSource`.
+
+    Raises:
+        HeadConfigError: an unknown name, a bad size or threshold, or invalid ids.
+    """
+    if isinstance(compress_above, bool) or not isinstance(compress_above, int) \
+            or compress_above < 1:
+        raise HeadConfigError(f"compress_above must be an int >= 1, got {compress_above!r}")
+    if isinstance(draft_vocab, str) and not isinstance(draft_vocab, DraftVocab):
+        try:
+            draft_vocab = DraftVocab(draft_vocab.lower())
+        except ValueError:
+            names = ", ".join(repr(choice.value) for choice in DraftVocab)
+            raise HeadConfigError(f"draft_vocab must be {names}, a size K, or a sequence of token "
+                                  f"ids; got {draft_vocab!r}") from None
+    if draft_vocab is None or draft_vocab is DraftVocab.FULL:
+        return None, DraftVocabSource.FULL
+    if draft_vocab is DraftVocab.AUTO:
+        if vocab_size <= max(compress_above, DEFAULT_DRAFT_VOCAB):
+            return None, DraftVocabSource.FULL
+        return leading_tokens(vocab_size, DEFAULT_DRAFT_VOCAB, eos_ids), DraftVocabSource.DEFAULT
+    if isinstance(draft_vocab, bool):
+        raise HeadConfigError(f"draft_vocab must be a size K, ids or a named choice, got "
+                              f"{draft_vocab!r}")
+    if isinstance(draft_vocab, int):
+        return leading_tokens(vocab_size, draft_vocab, eos_ids), DraftVocabSource.LEADING
+    return check_draft_tokens(draft_vocab, vocab_size), DraftVocabSource.GIVEN

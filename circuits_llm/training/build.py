@@ -19,8 +19,9 @@ is trained or written.
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -114,8 +115,13 @@ def start_from(head: MTPHead, directory: str | Path) -> None:
             f"init_from: the head in {directory} drafts over another vocabulary than this run's "
             "(its draft tokens differ: other training data); start from a head trained on the "
             "same data")
+    # the frozen copies of the model's rows (LEAN LM head, token embedding) stay this run's own:
+    # a saved head may hold them rounded (float16 storage), the model holds them exactly
+    frozen = {name for name, buffer in head.named_buffers() if buffer.is_floating_point()}
     with torch.no_grad():
         for name, value in theirs.items():
+            if name in frozen:
+                continue
             part = _lean_slice(name, value, mine[name])
             (mine[name] if part is None else mine[name][part]).copy_(value)
 
@@ -303,9 +309,20 @@ def build_head(plan: HeadPlan, backbone: HFBackbone, counts: TokenCounts | None 
     return head.to(backbone.device)
 
 
+#: how a head's file stores its tensors, not what the head is: left out of its fingerprint, so a
+#: run checkpointed by an older writer resumes (format version 3 is the last without them)
+_STORAGE_FIELDS = ("storage_dtype", "tied_token_embedding")
+_STRUCTURE_FORMAT_VERSION = 3
+
+
 def head_fingerprint(head: MTPHead) -> str:
-    """SHA-256 of the head's structure record (template or full circuit, sizes, variant)."""
-    return hashlib.sha256(head_config(head).to_json().encode()).hexdigest()
+    """SHA-256 of the head's structure record (template or full circuit, sizes, variant); the
+    file format's storage choices are not part of it."""
+    record = asdict(head_config(head))
+    for name in _STORAGE_FIELDS:
+        record.pop(name)
+    record["format_version"] = _STRUCTURE_FORMAT_VERSION
+    return hashlib.sha256(json.dumps(record, indent=2, sort_keys=True).encode()).hexdigest()
 
 
 #: the largest relative gap between the logits rebuilt from cached features and the live ones
