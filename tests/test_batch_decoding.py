@@ -132,20 +132,29 @@ def test_speculative_batch_equals_generate_per_row(name: str, architecture: str,
 
 
 def test_speculative_batch_options_and_different_acceptance() -> None:
-    """Window 4, a compressed draft vocabulary, the context copy and a dynamic draft length:
-    rows verify and accept different numbers of drafts in the same round."""
+    """Window 4, a compressed draft vocabulary (with a head that reads the verified token), the
+    context copy and a dynamic draft length: rows verify and accept different numbers of drafts in
+    the same round; greedy rows are generate's, sampled rows what each draws alone."""
     model = ZOO["gpt2"]
     prompts = [[5, 9, 5, 9, 3, 5, 9, 5], [7], [12, 30, 4, 12, 30], [21, 22, 23]]
     limits = [20, 12, 16, 9]
     ragged_rounds = 0
+    embedding = model.get_input_embeddings().weight.detach()
     for options, decoder_options in [
             ({"draft_vocab": list(range(1, 40))}, {}),
+            ({"draft_vocab": list(range(1, 40)), "token_embedding": embedding}, {}),
             ({}, {"lookup": ContextLookup((0.3, 0.6))}),
             ({}, {"draft_length": DraftLength.confident(0.2, minimum=0)})]:
         head = _head(model, "btree", 2, window=4, **options)
         decoder = SpeculativeDecoder(_backbone(model, 1), head, **decoder_options)
         result = decoder.generate(prompts, limits, eos_token_id=EOS)
         _check(model, result, prompts, limits)
+        sampled = decoder.generate(prompts, limits, 1.0, eos_token_id=EOS,  # each row as alone
+                                   generator=[torch.Generator().manual_seed(b) for b in range(4)])
+        assert sampled.tokens == [
+            decoder.generate(prompt, limit, 1.0, generator=torch.Generator().manual_seed(b),
+                             eos_token_id=EOS).tokens.tolist()
+            for b, (prompt, limit) in enumerate(zip(prompts, limits, strict=True))]
         for index in range(result.summary.rounds):  # rows join at round 0 and stay till done
             accepted = {row.rounds[index].accepted for row in result.rows
                         if index < len(row.rounds)}

@@ -4,7 +4,8 @@
   token) draws exactly the tokens the single-prompt decoder draws from that generator: heads of
   every kind, a compressed draft vocabulary, the context copy, a dynamic draft length, three
   warps. So each row's law is the single-prompt decoder's, which tests/test_decoder_exact.py
-  enumerates.
+  enumerates. The rows draft in one head pass per round (circuits_llm/decoding/batch_draft.py),
+  whose every row's block, q, flags and L equal RoundProgram.draft on that row alone.
 * With one generator shared by the batch (rows draw in turn), a chi-square test of each row's
   first two tokens against the brute-force target law (tests/toy.py ``target_law``), batch 3; the
   paper's biased correction policy, decoded the same way, is rejected (negative control).
@@ -19,11 +20,14 @@ import torch
 from torch import Tensor
 from toy import ToyHead, ToyLM, law_p_value, target_law
 
+from circuits_llm.decoding import batch_draft
 from circuits_llm.decoding.acceptance import CorrectionPolicy
 from circuits_llm.decoding.autoregressive import AutoregressiveDecoder
+from circuits_llm.decoding.batch_draft import draft_rows, rows_per_pass
+from circuits_llm.decoding.constraint_path import round_component
 from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
-from circuits_llm.decoding.lookup import ContextLookup
+from circuits_llm.decoding.lookup import ContextLookup, LookupIndex
 from circuits_llm.decoding.metrics import BatchResult
 from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.protocols import BackboneStep
@@ -113,12 +117,67 @@ def test_each_row_draws_what_it_draws_alone(architecture: str, rank: int, option
                               torch.Generator().manual_seed(seed)).tokens.tolist()
              for prompt, limit, seed in zip(PROMPTS, limits, seeds, strict=True)]
     calls = lm.calls
+    sizes: list[int] = []  # the head's batch at each forward: one draft pass per round
+    hook = decoder.head.register_forward_hook(  # type: ignore[union-attr]
+        lambda _module, args, _output: sizes.append(args[0].shape[0]))
     result = decoder.generate(PROMPTS, limits, config.temperature, config.top_k, config.top_p,
                               [torch.Generator().manual_seed(seed) for seed in seeds])
+    hook.remove()
     assert isinstance(result, BatchResult)
     assert result.tokens == alone
     assert lm.calls - calls == result.summary.backbone_calls == result.summary.rounds + 1
     assert result.summary.drafted > 0
+    assert len(sizes) <= result.summary.rounds and max(sizes) == 3  # every row in one pass
+
+
+@pytest.mark.parametrize("option", ["copy", "dynamic-length"])
+def test_passes_of_fewer_rows_draw_the_same(option: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU a draft pass takes at most rows_per_pass rows (a big head's outputs stay within
+    the caches): one row a pass draws exactly what one pass for every row draws."""
+    _, decoder = _decoders("btree", 2, **dict(OPTIONS[option]))
+    generators = [torch.Generator().manual_seed(seed) for seed in (11, 12, 13)]
+    together = decoder.generate(PROMPTS, [9, 12, 7], 1.0, generator=generators)
+    assert rows_per_pass(decoder._program(SamplingConfig(1.0))) >= 3  # a toy head: one pass
+    monkeypatch.setattr(batch_draft, "CPU_PASS_BYTES", 1)
+    sizes: list[int] = []
+    hook = decoder.head.register_forward_hook(  # type: ignore[union-attr]
+        lambda _module, args, _output: sizes.append(args[0].shape[0]))
+    generators = [torch.Generator().manual_seed(seed) for seed in (11, 12, 13)]
+    apart = decoder.generate(PROMPTS, [9, 12, 7], 1.0, generator=generators)
+    hook.remove()
+    assert set(sizes) == {1} and apart.tokens == together.tokens
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampling", "greedy"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize(("architecture", "rank"), HEADS, ids=[h for h, _ in HEADS])
+def test_the_batched_draft_is_each_rows_draft(architecture: str, rank: int, option: str,
+                                              greedy: bool) -> None:
+    """draft_rows on 4 rows (one whose c = 2 is outside the compressed vocabulary [0, 1, 3])
+    gives every row the block, q, flags and L of RoundProgram.draft on that row alone."""
+    _, decoder = _decoders(architecture, rank, **dict(OPTIONS[option]))
+    program = decoder._program(SamplingConfig(0.0 if greedy else 1.0))
+    hidden = torch.randn(4, decoder.backbone.hidden_size, generator=torch.Generator().manual_seed(3),
+                         dtype=torch.float64)
+    c = torch.tensor([0, 2, 3, 1])
+    uniforms = None if greedy else torch.stack([
+        program.draw_uniforms(torch.Generator().manual_seed(b)) for b in range(4)])
+    components = None
+    if decoder.lookup is not None:
+        components = [round_component(decoder.lookup, LookupIndex(2, prompt), None, -1, None, 2,
+                                      torch.device("cpu"))
+                      for prompt in ([1, 2, 1, 2, 1], [3, 3, 3], [0, 1], [2, 0, 2])]
+    batched = draft_rows(program, hidden, c, uniforms, components)
+    for b, draft in enumerate(batched):
+        alone = program.draft(hidden[b:b + 1], c[b:b + 1], None if uniforms is None else uniforms[b],
+                              None if components is None else components[b])
+        assert torch.equal(draft.block, alone.block)
+        assert bool(draft.head_ok) == bool(alone.head_ok)
+        assert bool(draft.possible) == bool(alone.possible)
+        assert int(draft.length) == int(alone.length)  # type: ignore[arg-type]
+        assert (draft.q is None) == (alone.q is None)
+        if draft.q is not None:
+            torch.testing.assert_close(draft.q, alone.q, rtol=0, atol=1e-12)
 
 
 def test_autoregressive_rows_draw_what_they_draw_alone() -> None:

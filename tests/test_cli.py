@@ -167,7 +167,7 @@ def test_generate_on_cpu_and_auto_devices(demo_run: dict, capsys: pytest.Capture
     (["demo", "--model", "{empty}"], "has no config.json"),
     (["generate", "--model", "{missing}", "--prompt", "x"], "no such directory"),
     (["generate", "--model", "{model}", "--prompt", "x", "--head", "nonsense"],
-     "expected one of ff, btree"),
+     "expected a head kind (ff, cp, hmm, btree"),
     (["generate", "--model", "{model}", "--prompt", "x", "--head", "ar", "--temperature", "-1"],
      "temperature must be"),
     (["generate", "--model", "{model}", "--prompt", "x", "--head", "ff", "--cache-dir",
@@ -483,3 +483,93 @@ def test_generate_with_a_json_schema_stays_inside_its_bounds(subword_run: dict, 
     code, out, err = _generate_text(subword_run, "--prompt", "x", "--json-schema", str(refused))
     assert code == 2 and out == "" and "Traceback" not in err
     assert "#/properties/price/multipleOf is not enforced" in err and "remove it" in err
+
+
+# ---------------------------------------------------------------------------- --prompts-file
+def _lines(path: Path, *lines: object) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
+                            for line in lines))
+    return path
+
+
+def _generate_file(run: dict, path: Path, *extra: str) -> int:
+    return main(["generate", "--model", str(run["model"]), "--cache-dir", str(run["cache"]),
+                 "--prompts-file", str(path), "--head", "btree", "--max-new-tokens", "10",
+                 "--threads", "1", *extra])
+
+
+def test_generate_a_prompts_file_in_batches(demo_run: dict, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """One JSON line per request, in order: each the text ``--prompt`` gives it alone (greedy,
+    and sampled: request ``i`` draws with seed ``--seed + i`` whatever its batch), with its own
+    ``max_new_tokens`` and ``id``; ``--output`` gets the same lines."""
+    prompts = ["def main(", "import os\n", "x = [", "class A:"]
+    alone = {}
+    for seed, temperature in ((0, "0"), (5, "1")):
+        for index, prompt in enumerate(prompts):
+            assert main(["generate", "--model", str(demo_run["model"]), "--cache-dir",
+                         str(demo_run["cache"]), "--prompt", prompt, "--head", "btree",
+                         "--max-new-tokens", "10", "--threads", "1", "--temperature", temperature,
+                         "--seed", str(seed + index)]) == 0
+            alone[temperature, index] = capsys.readouterr().out[:-1]  # print's newline
+    requests = _lines(tmp_path / "requests.jsonl", {"prompt": prompts[0], "id": "a"},
+                      {"prompt": prompts[1], "max_new_tokens": 4}, "",
+                      {"prompt": prompts[2], "id": 7}, {"prompt": prompts[3]})
+    for temperature in ("0", "1"):
+        outputs = []
+        for batch in ("3", "4"):
+            assert _generate_file(demo_run, requests, "--batch-size", batch, "--temperature",
+                                  temperature, "--seed", "5" if temperature == "1" else "0") == 0
+            captured = capsys.readouterr()
+            assert f"4 requests in batches of {batch}" in captured.err
+            outputs.append(captured.out)
+        assert outputs[0] == outputs[1]  # a request's output does not depend on its batch
+        records = [json.loads(line) for line in outputs[0].splitlines()]
+        assert [r["index"] for r in records] == [0, 1, 2, 3]
+        assert [r.get("id") for r in records] == ["a", None, 7, None]
+        assert [r["new_tokens"] for r in records] == [10, 4, 10, 10]
+        for index in (0, 2, 3):
+            assert records[index]["text"] == alone[temperature, index]
+    out = tmp_path / "answers" / "out.jsonl"
+    assert _generate_file(demo_run, requests, "--output", str(out)) == 0
+    assert capsys.readouterr().out == ""
+    written = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert len(written) == 4 and written[0] == alone["0", 0]
+    assert [p.name for p in out.parent.iterdir()] == ["out.jsonl"]
+
+
+@pytest.mark.parametrize(("lines", "extra", "message"), [
+    (["not json"], (), "requests.jsonl line 1: not JSON"),
+    ([{"prompt": "x"}, {"prompt": "x", "temperature": 1}], (),
+     "line 2: unknown field(s) temperature"),
+    ([{"id": 3}], (), "line 1: a request needs a \"prompt\""),
+    ([{"prompt": "x", "max_new_tokens": -1}], (), "\"max_new_tokens\" must be >= 0"),
+    ([{"prompt": "x", "max_new_tokens": True}], (), "\"max_new_tokens\" must be int"),
+    ([{"prompt": "x", "stop": 3}], (), "\"stop\" must be str or list"),
+    ([""], (), "holds no request"),
+    ([{"prompt": "x"}], ("--regex", "a+"), "take no --regex"),
+    ([{"prompt": "x"}], ("--compile",), "take no --compile"),
+])
+def test_prompts_file_errors_are_one_line(lines: list[object], extra: tuple[str, ...],
+                                          message: str, demo_run: dict, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert _generate_file(demo_run, _lines(tmp_path / "requests.jsonl", *lines), *extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert _generate(demo_run, "ar", "--output", str(tmp_path / "o.jsonl")) == 2
+    assert "--output writes the JSON lines of --prompts-file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --prompt and --prompts-file exclude each other
+        _generate(demo_run, "ar", "--prompts-file", str(tmp_path / "requests.jsonl"))
+
+
+def test_bench_decodes_in_batches(demo_run: dict, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench --batch-size 2``: 3 prompts in batches of 2 and 1, greedy outputs still AR's."""
+    args = _args(demo_run, tmp_path)
+    args[args.index("--prompts") + 1] = "3"
+    assert main(["bench", *args, "--batch-size", "2"]) == 0
+    result = report.load_report(tmp_path / "results.json")
+    assert result["config"]["batch_size"] == 2 and result["greedy_identical"]["all"]
+    assert all(row["prompts"] == 3 and row["throughput"] > 0 for row in result["rows"])
+    assert main(["bench", *args, "--batch-size", "2", "--compile"]) == 2
+    assert "need the dynamic KV cache" in capsys.readouterr().err

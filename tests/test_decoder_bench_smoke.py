@@ -8,10 +8,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.decoder_bench import (
+    FIRST_HEAD_TARGET,
     PHASES,
     SCHEMA_VERSION,
     BenchConfig,
     build_model,
+    first_head_costs,
+    format_first_head,
     format_tables,
     run_benchmark,
 )
@@ -20,6 +23,7 @@ from circuits.files import atomic_write_json
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.heads import MTPHead
+from circuits_llm.heads.vocab import DraftVocab
 
 TINY = BenchConfig(hidden_size=16, layers=2, attention_heads=2, intermediate_size=32,
                    architectures=("ff", "btree"), windows=(4,), rank=2, variants=("lean", "full"),
@@ -113,3 +117,35 @@ def test_the_resolved_device_is_recorded() -> None:
     resolved = str(resolve_device("auto"))  # "cpu" here; "cuda:0" on a CUDA machine
     assert result["config"]["device"] == resolved
     assert result["machine"]["device"].split(": ")[0] == resolved
+
+
+def test_first_head_costs_on_a_tiny_model(tmp_path: Path) -> None:
+    """``--first-head``'s measurement runs end to end (on a tiny subword model, whose small
+    vocabulary the default leaves whole) and reports the default head's ratio to the target."""
+    from test_tokens import save_model_dir, tiny_subword_model, tiny_tokenizer
+    model_dir = save_model_dir(tmp_path / "model", tiny_subword_model(300), tiny_tokenizer())
+    result = first_head_costs(str(model_dir), (DraftVocab.AUTO, 50), timing_rounds=1,
+                              log=lambda _line: None)
+    default, sized = result["rows"]
+    assert default["draft_vocab"] == "auto" and default["draft_vocab_size"] == 300
+    assert sized["draft_vocab_size"] == 50 and "leading ids" in sized["described"]
+    assert result["target"] == FIRST_HEAD_TARGET
+    assert result["default_round_over_verify"] == max(default["round_over_verify"].values()) > 0
+    assert isinstance(result["met"], bool) and "torch_threads" in result["machine"]
+    assert "TARGET the default head's round" in format_first_head(result)
+
+
+def test_the_batch_axis() -> None:
+    """``--batch-size``: the eager decodes also run a batch of prompts of different lengths (AR
+    and speculative), whose greedy rows agree."""
+    import dataclasses
+    small = dataclasses.replace(TINY, architectures=("btree",), variants=("lean",), batch_size=3)
+    result = run_benchmark(small, log=lambda _line: None)
+    decode = result["heads"][0]["eager"]["decode"]
+    for mode in ("greedy", "sampling"):
+        batch = decode[mode]["batch"]
+        assert batch["batch_size"] == 3 and batch["speedup_vs_ar"] > 0
+        assert batch["speculative"]["tok_s"] > 0 and batch["autoregressive"]["rounds"] == TINY.new_tokens
+        assert set(batch["speculative"]["ms_per_round_phase"]) == {"draft", "verify", "accept"}
+    assert decode["greedy"]["batch"]["matches_ar"] is True
+    assert "batch 3" in format_tables(result)

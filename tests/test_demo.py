@@ -48,7 +48,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
             run = root / "runs" / architecture
             train_head(loaded.model, demo_module.training_config(TINY, architecture), run,
                        progress=False, corpus_root=corpus)
-            hc.ship_head(run, shipped / f"tiny-{architecture}")
+            hc.ship_head(run, shipped / f"tiny-{architecture}", "tiny")
     return {"root": root, "model_dir": model_dir, "loaded": loaded, "shipped": shipped}
 
 
@@ -84,6 +84,7 @@ def test_demo_on_a_subword_model_decodes_and_reports(world: dict, tmp_path: Path
     assert "tok/s" in table and "bytes/s" not in table and "realised/ideal" in table
     printed = "\n".join(lines)
     assert "head btree: shipped (tiny-btree)" in printed and "IDENTICAL" in printed
+    assert not (tmp_path / "cache").exists()  # shipped heads are read in place, not copied
     assert "targets (real-model issue)" in printed
 
 

