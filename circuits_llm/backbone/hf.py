@@ -44,20 +44,9 @@ from circuits_llm.backbone._validate import (
     check_token_layout,
     check_tokens,
 )
+from circuits_llm.backbone.cache_slots import drop_last_positions, gather_slots
 from circuits_llm.protocols import BackboneStep
 from circuits_llm.text.models import config_fingerprint
-
-
-def _drop_last(cache: DynamicCache, removed: int) -> None:
-    """Drop the last ``removed`` positions of every layer of ``cache`` that holds any.
-
-    transformers 5.x: ``crop`` takes minus the number of tokens to drop (a positive value raises).
-    Layers never written (the draft cache's layers below the draft branch) are skipped: up to
-    transformers 5.17 cropping one raised ``'NoneType' object is not subscriptable``.
-    """
-    for layer in cache.layers:
-        if getattr(layer, "is_initialized", True):
-            layer.crop(-removed)
 
 
 class HFBackbone(nn.Module):
@@ -239,8 +228,8 @@ class HFBackbone(nn.Module):
             self._static.set_length(length)
         else:
             removed = self._length - length
-            _drop_last(self._cache, removed)
-            _drop_last(self._draft_cache, removed)
+            drop_last_positions(self._cache, removed)
+            drop_last_positions(self._draft_cache, removed)
         self._length = length
 
     def extend(self, tokens: Tensor) -> BackboneStep:
@@ -319,13 +308,7 @@ class HFBackbone(nn.Module):
             raise UnsupportedModelError("gather_slots needs the dynamic KV cache")
         rows, slots = rows.to(self.device), slots.to(self.device)
         for cache in (self._cache, self._draft_cache):
-            for layer in cache.layers:
-                if not getattr(layer, "is_initialized", True) or layer.keys is None:
-                    continue
-                for name in ("keys", "values"):
-                    tensor = getattr(layer, name).index_select(0, rows)  # (B', H, P, D)
-                    index = slots[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-                    setattr(layer, name, tensor.gather(2, index))
+            gather_slots(cache, rows, slots)
         self._batch = int(rows.shape[0])
         self._length = int(slots.shape[1])
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.decoding.acceptance import draw_from_row
 from circuits_llm.decoding.round import AcceptProgram
 from circuits_llm.decoding.round_data import DraftResult
@@ -43,16 +44,6 @@ from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
 from circuits_llm.runtime.compiling import Compiler
 
 __all__ = ["BlockDrafter", "BlockRoundProgram"]
-
-
-def _drop_last(cache: object, removed: int) -> None:
-    """Drop the last ``removed`` positions of every written layer of a ``DynamicCache``
-    (transformers 5.x: ``crop`` takes minus the number of positions to drop)."""
-    if removed <= 0:
-        return
-    for layer in cache.layers:  # type: ignore[attr-defined]
-        if getattr(layer, "is_initialized", True):
-            layer.crop(-removed)
 
 
 class BlockDrafter:
@@ -108,12 +99,12 @@ class BlockDrafter:
         if self._pending is not None:  # a round that never drafted (a one-token prompt's first)
             hidden = torch.cat([self._pending[0], hidden], 1)
             tokens = torch.cat([self._pending[1], tokens])
-        _drop_last(self.cache, self.cache.get_seq_length() - self.length)
+        drop_last_positions(self.cache, self.cache.get_seq_length() - self.length)
         self._pending = (hidden, tokens) if tokens.numel() else None
 
     def flush(self) -> None:
         """Run the pending pairs into the cache now (the next round would have)."""
-        _drop_last(self.cache, self.cache.get_seq_length() - self.length)
+        drop_last_positions(self.cache, self.cache.get_seq_length() - self.length)
         if self._pending is not None:
             hidden, tokens = self._pending
             with torch.no_grad():
