@@ -18,11 +18,11 @@ from draft_block_models import perturbed_block, tiny_llama
 from toy import add_outcomes, law_p_value, total_variation
 
 from circuits_llm.backbone import HFBackbone
+from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.decoding.warping import SamplingConfig, target_probs, warp_logits
 from circuits_llm.draft_block import BlockDrafter, DraftBlock
-from circuits_llm.draft_block.drafter import _drop_last
 
 VOCAB = 4
 MODEL = tiny_llama(vocab=VOCAB, scale=3.0)
@@ -66,7 +66,7 @@ def _decoder_law(block: DraftBlock, length: int, config: SamplingConfig,
             first = drafter.first_step(hidden[:, -1], torch.tensor([sequence[-1]]))
             q1 = law_of(block.logits(first))
             for d1 in ids.tolist():
-                _drop_last(drafter.cache, drafter.cache.get_seq_length() - drafter.length)
+                drop_last_positions(drafter.cache, drafter.cache.get_seq_length() - drafter.length)
                 q2 = law_of(block.logits(drafter.next_step(first, torch.tensor([d1]))))
                 for d2 in ids.tolist():
                     weight = float(q1[d1] * q2[d2])

@@ -18,6 +18,7 @@ over the draft vocabulary, weighted by ``decay ** (a - 1)``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,8 @@ from torch import Tensor
 
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
 
-__all__ = ["BlockFeatures", "block_loss", "depth_mask", "prefill_features", "train_block"]
+__all__ = ["BlockFeatures", "block_loss", "depth_mask", "depth_outputs", "prefill_features",
+           "train_block"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,35 @@ def depth_mask(depth: int, length: int, device: torch.device | None = None) -> T
     return verified | own
 
 
+def depth_outputs(block: DraftBlock, hidden: Tensor, tokens: Tensor, depths: int
+                  ) -> Iterator[Tensor]:
+    """Each depth's (B, T, d) block outputs, depth ``1..depths`` in order (with gradients).
+
+    ``hidden`` (B, T, d) are the features ``h_j``, ``tokens`` (B, T) the tokens ``x_{j+1}`` read
+    with them; depth ``a``'s row ``j`` is step ``a`` of a round started at ``j - a + 1`` (rows
+    ``j < a - 1`` have no such round: their values are computed but mean nothing). Depth ``a``
+    reads depth ``a - 1``'s output at the previous position and attends, under the last ``T``
+    rows of :func:`depth_mask`, to the keys and values of depths ``1..a`` kept in a KV cache
+    (rows of depth ``b`` attend only to depths ``<= b``, so their keys and values do not change
+    when later depths are added: each depth runs only its own ``T`` rows; the cache keeps the
+    autograd graph, so later depths' losses reach earlier depths' weights and inputs).
+    """
+    if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
+        raise DraftBlockError(f"depths must be an int >= 1, got {depths!r}")
+    batch, length, _ = hidden.shape
+    if depths > length:
+        raise DraftBlockError(f"{depths} depths need at least as many positions, got {length}")
+    positions = torch.arange(length, device=hidden.device)
+    cache = block.new_cache()
+    rows = hidden
+    for depth in range(1, depths + 1):
+        mask = depth_mask(depth, length, hidden.device)[-length:]  # (T, depth T)
+        output = block(rows, tokens, positions, mask, cache)
+        yield output
+        if depth < depths:  # the next depth reads this depth's output at the previous position
+            rows = torch.cat([output.new_zeros(batch, 1, output.shape[-1]), output[:, :-1]], 1)
+
+
 def block_loss(block: DraftBlock, features: BlockFeatures, depths: int, decay: float = 0.5
                ) -> tuple[Tensor, list[float]]:
     """The weighted soft cross-entropy over ``depths`` recursive steps.
@@ -77,29 +108,17 @@ def block_loss(block: DraftBlock, features: BlockFeatures, depths: int, decay: f
     Returns:
         (the loss () with gradients, the mean cross-entropy at each depth as floats).
     """
-    if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
-        raise DraftBlockError(f"depths must be an int >= 1, got {depths!r}")
     hidden, tokens, teacher = features.hidden, features.tokens, features.teacher
-    batch, length, _ = hidden.shape
-    if depths > length:
-        raise DraftBlockError(f"{depths} depths need at least as many positions, got {length}")
     if block.draft_tokens is not None:
         teacher = teacher.index_select(-1, block.draft_tokens.to(teacher.device))
     target = torch.softmax(teacher.double(), -1).to(hidden.dtype)  # mass outside K is dropped
-    positions = torch.arange(length, device=hidden.device)
-    inputs, total, weights, per_depth = [hidden], hidden.new_zeros(()), 0.0, []
-    for depth in range(1, depths + 1):
-        rows = torch.cat(inputs, 1)  # (B, depth T, d)
-        out = block(rows, tokens.repeat(1, depth), positions.repeat(depth),
-                    depth_mask(depth, length, hidden.device))
-        output = out[:, -length:]  # this depth's rows
+    total, weights, per_depth = hidden.new_zeros(()), 0.0, []
+    for depth, output in enumerate(depth_outputs(block, hidden, tokens, depths), 1):
         log_q = torch.log_softmax(block.logits(output).double(), -1).to(hidden.dtype)
         loss = -(target * log_q).sum(-1)[:, depth - 1:].mean()  # rows j >= depth - 1 exist
         weight = decay ** (depth - 1)
         total, weights = total + weight * loss, weights + weight
         per_depth.append(float(loss.detach()))
-        # the next depth reads this depth's output at the previous position
-        inputs.append(torch.cat([output.new_zeros(batch, 1, output.shape[-1]), output[:, :-1]], 1))
     return total / weights, per_depth
 
 

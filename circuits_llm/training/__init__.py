@@ -11,9 +11,13 @@
   data-parallel under ``torchrun``.
 * :func:`load_trained_head`: the exported head and its backbone, ready for
   :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`.
+* ``HeadTrainingConfig(draft_block=True)`` (``train-head --draft-block``) trains a
+  :class:`~circuits_llm.draft_block.DraftBlock` in the same loop
+  (:mod:`circuits_llm.training.block_trainer`); :func:`load_trained_block` reads it back.
 """
 
 from circuits_llm.runtime.checkpoint import CheckpointError, CheckpointWriteError
+from circuits_llm.training.block_trainer import load_trained_block
 from circuits_llm.training.config import (
     DataSource,
     FeatureCaching,
@@ -39,5 +43,5 @@ __all__ = [
     "NonFiniteTrainingError",
     "PositionValidation", "RunDirectoryBusy", "TargetLaw", "TrainingConfigError",
     "TrainingInterrupted",
-    "load_trained_head", "read_record", "train_head",
+    "load_trained_block", "load_trained_head", "read_record", "train_head",
 ]

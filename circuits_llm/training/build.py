@@ -32,6 +32,7 @@ from circuits.errors import CircuitError
 from circuits.serialization import load_circuit
 from circuits.symbolic import Circuit
 from circuits_llm.backbone import HFBackbone
+from circuits_llm.draft_block.block import DraftBlock
 from circuits_llm.heads import HeadConfigError, MTPHead, check_head_circuit
 from circuits_llm.heads.io import DRAFT_TOKENS, head_config, head_tensors, load_head
 from circuits_llm.heads.sizing import HeadBudgetWarning, HeadSize, fit_head_size
@@ -330,7 +331,7 @@ def head_fingerprint(head: MTPHead) -> str:
 TEACHER_FEATURE_GAP = 0.02
 
 
-def build_teacher(model: PreTrainedModel, backbone: HFBackbone, head: MTPHead,
+def build_teacher(model: PreTrainedModel, backbone: HFBackbone, head: MTPHead | DraftBlock,
                   config: HeadTrainingConfig, tokens: Tensor | None = None,
                   features: Tensor | None = None) -> LanguageModelTeacher:
     """The LM's law as the loss's target (``TargetLaw.MODEL``).

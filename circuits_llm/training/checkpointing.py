@@ -16,10 +16,12 @@ the file format, its checksum and verified reading are :mod:`circuits_llm.runtim
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.heads import MTPHead
@@ -36,6 +38,46 @@ from circuits_llm.training.resume import (
     checkpoint_source,
     read_state,
 )
+
+
+class TrainedModule(ABC):
+    """What a checkpoint stores of the trained module (under the state's ``head`` keys): its
+    tensors, a fingerprint of its structure, and how to load tensors back. A head is adapted by
+    :class:`_HeadModule`; a draft block by :mod:`circuits_llm.training.block_trainer`."""
+
+    label = "head"
+
+    @abstractmethod
+    def tensors(self) -> dict[str, Tensor]:
+        """The module's defining tensors, by name."""
+
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """SHA-256 of the module's structure (not of its values)."""
+
+    @abstractmethod
+    def load(self, tensors: dict[str, Tensor]) -> None:
+        """Copy ``tensors`` (the names of :meth:`tensors`) into the module."""
+
+
+class _HeadModule(TrainedModule):
+    """A circuit head as a :class:`TrainedModule`."""
+
+    def __init__(self, head: MTPHead) -> None:
+        self.head = head
+
+    def tensors(self) -> dict[str, Tensor]:
+        return head_tensors(self.head)
+
+    def fingerprint(self) -> str:
+        return head_fingerprint(self.head)
+
+    def load(self, tensors: dict[str, Tensor]) -> None:
+        self.head.load_state_dict(tensors, strict=False)
+
+
+def _trained(module: MTPHead | TrainedModule) -> TrainedModule:
+    return module if isinstance(module, TrainedModule) else _HeadModule(module)
 
 
 class RunCheckpoint:
@@ -71,22 +113,25 @@ class RunCheckpoint:
                                   "another model (its config or LM head weights differ)")
         return state, Path(source)
 
-    def load_into(self, found: tuple[dict[str, Any], Path], head: MTPHead, backbone: HFBackbone,
-                  optimizer: torch.optim.Optimizer, generator: torch.Generator) -> dict[str, Any]:
-        """Load a checkpoint of :meth:`read` into the built head, the LoRA layers, the optimiser
-        and the generators; the state, whose progress the caller takes over.
+    def load_into(self, found: tuple[dict[str, Any], Path], head: MTPHead | TrainedModule,
+                  backbone: HFBackbone, optimizer: torch.optim.Optimizer,
+                  generator: torch.Generator) -> dict[str, Any]:
+        """Load a checkpoint of :meth:`read` into the built head (or another
+        :class:`TrainedModule`, e.g. a draft block), the LoRA layers, the optimiser and the
+        generators; the state, whose progress the caller takes over.
 
         Raises:
             CheckpointError: the checkpoint holds a head of another structure (e.g. a changed
                 circuit file or draft vocabulary size), or is corrupt. Nothing is written.
         """
         state, source = found
-        if state["head_fingerprint"] != head_fingerprint(head):
-            raise CheckpointError(f"{source} holds a head of another structure (was the circuit "
-                                  "file, or the training data that choose its draft vocabulary, "
-                                  "changed?)")
+        trained = _trained(head)
+        if state["head_fingerprint"] != trained.fingerprint():
+            raise CheckpointError(f"{source} holds a {trained.label} of another structure (was "
+                                  "the circuit file, or the training data that choose its draft "
+                                  "vocabulary, changed?)")
         try:
-            _load_tensors(state, head, backbone)
+            _load_tensors(state, trained, backbone)
             optimizer.load_state_dict(state["optimizer"])
             generator.set_state(state["data_generator"])
             torch.set_rng_state(state["torch_rng"])
@@ -98,7 +143,8 @@ class RunCheckpoint:
             self.saved_step, self._marker = step, (step, len(state["history"]))
         return state
 
-    def save(self, head: MTPHead, backbone: HFBackbone, optimizer: torch.optim.Optimizer,
+    def save(self, head: MTPHead | TrainedModule, backbone: HFBackbone,
+             optimizer: torch.optim.Optimizer,
              generator: torch.Generator, progress: dict[str, Any]) -> None:
         """Write ``checkpoint.pt`` atomically, keeping the previous one (rank 0 writes).
 
@@ -115,7 +161,8 @@ class RunCheckpoint:
         marker = (step, len(progress["history"]))
         if marker == self._marker:
             return
-        tensors = {k: v.detach().cpu().clone() for k, v in head_tensors(head).items()}
+        trained = _trained(head)
+        tensors = {k: v.detach().cpu().clone() for k, v in trained.tensors().items()}
         lora = backbone.lora_state_dict()
         bad = first_non_finite({**tensors, **lora})
         if bad is not None:
@@ -123,7 +170,7 @@ class RunCheckpoint:
         if self.writer:
             save_checkpoint(self.path, CHECKPOINT_KIND, {
                 "config": self.config.to_dict(), "model_fingerprint": self.fingerprint,
-                "head_fingerprint": head_fingerprint(head), "head": tensors, "lora": lora,
+                "head_fingerprint": trained.fingerprint(), "head": tensors, "lora": lora,
                 "optimizer": optimizer.state_dict(),
                 "data_generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
                 **progress}, summary={"step": step}, keep_previous=True)
@@ -138,11 +185,11 @@ class RunCheckpoint:
         return "no checkpoint was written"
 
 
-def _load_tensors(state: dict[str, Any], head: MTPHead, backbone: HFBackbone) -> None:
-    own = head_tensors(head)
+def _load_tensors(state: dict[str, Any], trained: TrainedModule, backbone: HFBackbone) -> None:
+    own = trained.tensors()
     if set(state["head"]) != set(own):
-        raise KeyError(f"head tensors {sorted(set(state['head']) ^ set(own))}")
-    head.load_state_dict(state["head"], strict=False)
+        raise KeyError(f"{trained.label} tensors {sorted(set(state['head']) ^ set(own))}")
+    trained.load(state["head"])
     lora = {name: p for name, p in backbone.draft_layers.named_parameters() if "lora_" in name}
     if set(state["lora"]) != set(lora):
         raise KeyError(f"LoRA tensors {sorted(set(state['lora']) ^ set(lora))}")

@@ -15,6 +15,11 @@ if interrupted. ``--cache-features`` (the default for ``--self-distill``) comput
 features once into a disk cache and trains only the head and the LoRA layers
 (:mod:`circuits_llm.training.features`; ``--no-cache-features`` runs the backbone every step).
 
+``--draft-block`` trains FastMTP's recursive MTP block instead of a circuit head
+(:mod:`circuits_llm.training.block_trainer`; ``--window n``: ``n - 1`` recursive depths,
+``--block-layers``, ``--block-init``), on the same data and cached features, towards the model's
+own law with ``--target-law model``; the run exports ``RUN_DIR/block/``.
+
 Data-parallel on CPU: ``torchrun --nproc_per_node=2 -m circuits_llm train-head ...`` (the global
 ``--batch-size`` is split across the processes). ``--device`` takes the shared forms of
 :mod:`circuits_llm.runtime.devices` (default ``cpu``, as before: resumable runs and CPU data-parallel runs
@@ -42,6 +47,7 @@ from typing import Any
 
 import torch
 
+from circuits_llm.draft_block.block import BlockInit
 from circuits_llm.runtime.devices import DeviceError, DeviceSpec, add_device_argument, resolve_device
 from circuits_llm.text.models import EMBEDDED, ModelLoadError, load_model
 from circuits_llm.training.config import (
@@ -94,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
         cache_features=args.cache_features,
         feature_dtype=args.feature_dtype, target_law=args.target_law,
         teacher_top_k=args.teacher_top_k, teacher_temperature=args.teacher_temperature,
-        teacher_weight=args.teacher_weight)
+        teacher_weight=args.teacher_weight, draft_block=args.draft_block,
+        block_layers=args.block_layers, block_init=args.block_init)
 
 
 def _train_head(args: argparse.Namespace) -> int:
@@ -171,7 +178,9 @@ def add_train_head_command(sub: Any) -> None:
                    help="the head also reads the verified token's embedding (EAGLE / Hydra style)")
     p.add_argument("--init-from", default=None, metavar="HEAD_DIR",
                    help="start the head from a saved head's tensors (e.g. RUN_DIR/head); tensors "
-                        "it lacks, such as a new --token-input, keep their initialisation")
+                        "it lacks, such as a new --token-input, keep their initialisation; with "
+                        "--draft-block, a saved block (e.g. RUN_DIR/block): its weights and "
+                        "draft vocabulary")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="draft over the K most frequent tokens of the training data (default: the "
                         "whole vocabulary up to 8192 tokens, else 8192 or 4096 within the budget)")
@@ -225,6 +234,19 @@ def add_train_head_command(sub: Any) -> None:
     p.add_argument("--teacher-weight", type=float, default=d.teacher_weight,
                    help="--target-law model: the loss is (1 - w) token loss + w cross-entropy to "
                         f"the model's law (default {d.teacher_weight})")
+    p.add_argument("--draft-block", action="store_true",
+                   help="train a draft block (FastMTP's recursive MTP module: one decoder layer "
+                        "over the model's last hidden state and the next token, with its own KV "
+                        "cache) instead of a circuit head; --window n gives n - 1 recursive "
+                        "depths, each later one reading the block's own outputs; exported to "
+                        "RUN_DIR/block")
+    p.add_argument("--block-layers", type=int, default=d.block_layers,
+                   help=f"--draft-block: decoder layers of the block (default {d.block_layers})")
+    p.add_argument("--block-init", choices=[i.value for i in BlockInit],
+                   default=d.block_init.value,
+                   help="--draft-block: start the layers fresh (identity) or from a copy of the "
+                        "model's last layer (last_layer, Llama models); either way the block "
+                        "starts as the identity on its input")
     features = p.add_mutually_exclusive_group()
     features.add_argument(
         "--cache-features", dest="cache_features", action="store_const",

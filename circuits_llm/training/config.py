@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from circuits.errors import UnknownArchitectureError
 from circuits.templates import Architecture
+from circuits_llm.draft_block.block import BlockInit
 from circuits_llm.heads import HeadConfigError, HeadVariant, head_kind
 from circuits_llm.heads.config import parse_variant
 
@@ -200,6 +201,15 @@ class HeadTrainingConfig:
             for corpus data.
         teacher_weight: with ``MODEL``, the loss is ``(1 - w)`` token loss ``+ w`` cross-entropy
             to the LM's law, ``w`` in ``[0, 1]``.
+        draft_block: train a :class:`~circuits_llm.draft_block.DraftBlock` (FastMTP's recursive
+            MTP block, ``train-head --draft-block``) instead of a circuit head
+            (:mod:`circuits_llm.training.block_trainer`): ``window - 1`` recursive depths, depth
+            ``a`` weighted ``gamma^(a-1)``, on the LM head's input (``lora_layers`` 0); the head's
+            fields (architecture, rank, variant, token input) are then unused.
+            With ``init_from`` (a saved block directory, e.g. an earlier run's ``block/``) the
+            block starts from that block's weights and drafts over its vocabulary.
+        block_layers: the block's decoder layers ``L``.
+        block_init: :class:`~circuits_llm.draft_block.BlockInit` of the block's layers.
     """
 
     architecture: Architecture | str | None = Architecture.BTREE
@@ -239,6 +249,9 @@ class HeadTrainingConfig:
     teacher_top_k: int = 16
     teacher_temperature: float | None = None
     teacher_weight: float = 1.0
+    draft_block: bool = False
+    block_layers: int = 1
+    block_init: BlockInit = BlockInit.IDENTITY
 
     def __post_init__(self) -> None:
         if self.circuit_file is not None:
@@ -267,6 +280,8 @@ class HeadTrainingConfig:
             FeatureDtype, "feature_dtype", self.feature_dtype))
         object.__setattr__(self, "target_law", _parse_enum(TargetLaw, "target_law",
                                                            self.target_law))
+        object.__setattr__(self, "block_init", _parse_enum(BlockInit, "block_init",
+                                                           self.block_init))
         self._check_numbers()
 
     def _check_numbers(self) -> None:
@@ -319,6 +334,23 @@ class HeadTrainingConfig:
         if not isinstance(self.bf16, bool):
             raise TrainingConfigError(f"bf16 must be true or false, got {self.bf16!r}")
         self._check_teacher()
+        self._check_block()
+
+    def _check_block(self) -> None:
+        if not isinstance(self.draft_block, bool):
+            raise TrainingConfigError(f"draft_block must be true or false, got "
+                                      f"{self.draft_block!r}")
+        _int("block_layers", self.block_layers, 1)
+        if not self.draft_block:
+            return
+        unused = [name for name, bad in (
+            ("lora_layers", self.lora_layers != 0), ("circuit_file", self.circuit_file is not None),
+            ("token_input", self.token_input)) if bad]
+        if unused:
+            raise TrainingConfigError(
+                f"a draft block reads the LM head's input and the verified token itself; drop "
+                f"{', '.join(unused)} (they configure circuit heads) or train without "
+                "--draft-block")
 
     def _check_teacher(self) -> None:
         _int("teacher_top_k", self.teacher_top_k, 1)
@@ -357,6 +389,7 @@ class HeadTrainingConfig:
         values["cache_features"] = self.cache_features.value
         values["feature_dtype"] = self.feature_dtype.value
         values["target_law"] = self.target_law.value
+        values["block_init"] = self.block_init.value
         return values
 
     @classmethod

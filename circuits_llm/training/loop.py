@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from circuits_llm.runtime.checkpoint import CheckpointWriteError
+from circuits_llm.training.block_trainer import BlockTrainer
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 from circuits_llm.training.datasets import training_sets
 from circuits_llm.training.distributed import DistributedContext, distributed_context
@@ -69,17 +70,6 @@ def _locked(run_dir: Path, context: DistributedContext) -> Iterator[None]:
             lock.release()
 
 
-def _summary(trainer: Trainer) -> str:
-    """One line: the head's size against its budget, and the largest peak memory of a step."""
-    size, peak = trainer.plan.size, trainer.peak_memory()
-    share = size.parameters / size.backbone_parameters
-    coverage = "" if trainer.draft_coverage is None else \
-        f", covering {trainer.draft_coverage:.1%} of the training tokens"
-    memory = "no step run" if peak["mib"] is None else f"{peak['mib']:,.1f} MiB ({peak['kind']})"
-    return (f"{trainer.plan.describe()}: {size.parameters:,} parameters, {share:.2%} of the "
-            f"backbone{coverage}; peak memory of a step: {memory}")
-
-
 def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str | Path, *,
                max_seconds: float | None = None, max_steps: int | None = None,
                progress: bool = True, corpus_root: Path | None = None,
@@ -105,6 +95,10 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
             writes a checkpoint and returns with ``interrupted_by`` set (no export); a second
             raises :class:`TrainingInterrupted` at once. Off by default: a library call leaves
             the process's signal handling alone unless asked.
+
+    With ``config.draft_block`` the run trains a :class:`~circuits_llm.draft_block.DraftBlock`
+    instead of a head, in this same loop (:class:`~circuits_llm.training.block_trainer.
+    BlockTrainer`: recursive depths, the model's own law, ``run_dir/block/`` exported).
 
     The head's size (rank, draft vocabulary ``K``) is chosen within ``config.head_budget`` of the
     model's parameters unless the config fixes it (:func:`~circuits_llm.training.build.plan_head`);
@@ -154,7 +148,8 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
         raise TrainingConfigError(f"run_dir {run_dir} exists and is not a directory")
     context = distributed_context(model.device, config.batch_size)
     try:
-        trainer = Trainer(model, config, run_dir, context, progress, _notify)
+        kind = BlockTrainer if config.draft_block else Trainer
+        trainer = kind(model, config, run_dir, context, progress, _notify)
         with StopSignals(handle_signals, _COMMAND) as signals:
             try:
                 with _locked(run_dir, context):
@@ -169,7 +164,7 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
                         result = trainer.run(train, validation, started, max_seconds, max_steps,
                                              signals)
                     if trainer.progress:
-                        _notify(_summary(trainer))
+                        _notify(trainer.summary())
                     return result
             except TrainingInterrupted as stop:
                 raise TrainingInterrupted(stop.signal, trainer.interrupted(stop),

@@ -179,6 +179,9 @@ def load_trained_head(run_dir: str | Path, model: PreTrainedModel, *, compile: b
     run_dir = Path(run_dir)
     record = read_record(run_dir)
     config = record_config(record, run_dir / RECORD_FILE)
+    if config.draft_block:
+        raise CheckpointError(f"{run_dir} trained a draft block, not a circuit head; load it with "
+                              "circuits_llm.training.load_trained_block")
     if not isinstance(model, PreTrainedModel):
         raise TrainingConfigError(f"model must be a Hugging Face PreTrainedModel, got "
                                   f"{type(model).__name__}")

@@ -23,8 +23,13 @@ progress bar and ``training.json``.
 The trainer's parts live beside it: the checkpoint it resumes from and saves
 (:class:`~circuits_llm.training.checkpointing.RunCheckpoint`), the guards that stop a step
 (:mod:`circuits_llm.training.guards`), and the loop's progress bar and agreed early stop
-(:mod:`circuits_llm.training.progress`). What stays here is the run's state and what changes it:
-the head and optimiser built, the step, the validations and their history, and the export.
+(:mod:`circuits_llm.training.progress`), and the trainable module
+(:class:`~circuits_llm.training.draft_model.DraftModel`). What stays here is the run's state and
+what changes it: the head and optimiser built, the step, the validations and their history, and
+the export. Another trained module takes the same loop through the hooks :meth:`Trainer.
+plan_module`, :meth:`~Trainer.build_head`, :meth:`~Trainer.trained_module`,
+:meth:`~Trainer.validation_sums`, :meth:`~Trainer.summary`, :meth:`~Trainer.export` and
+:meth:`~Trainer.record` (:class:`~circuits_llm.training.block_trainer.BlockTrainer`: a draft block).
 """
 
 from __future__ import annotations
@@ -43,16 +48,16 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from circuits.errors import InvalidParameterError
-from circuits_llm.backbone import HFBackbone, UnsupportedModelError
-from circuits_llm.backbone._features import BranchArguments
+from circuits_llm.backbone import UnsupportedModelError
 from circuits_llm.heads import MTPHead
 from circuits_llm.runtime.checkpoint import CheckpointWriteError
 from circuits_llm.text.models import backbone_identity
 from circuits_llm.training.build import build_backbone, build_head, build_teacher, plan_head
-from circuits_llm.training.checkpointing import RunCheckpoint
+from circuits_llm.training.checkpointing import RunCheckpoint, TrainedModule
 from circuits_llm.training.config import HeadTrainingConfig, TargetLaw
 from circuits_llm.training.datasets import SequenceSet, training_token_counts
 from circuits_llm.training.distributed import DistributedContext
+from circuits_llm.training.draft_model import DraftModel
 from circuits_llm.training.feature_store import FeatureCacheError
 from circuits_llm.training.features import FeatureRows, cached_feature_sets
 from circuits_llm.training.guards import (
@@ -66,70 +71,8 @@ from circuits_llm.training.memory import StepMemory
 from circuits_llm.training.progress import agreed_stop, progress_bar, show_step
 from circuits_llm.training.results import HeadTrainingResult, PositionValidation, export_run
 from circuits_llm.training.signals import StopSignals, TrainingInterrupted
-from circuits_llm.training.teacher import LanguageModelTeacher, TeacherLaw
 
 __all__ = ["DraftModel", "NonFiniteTrainingError", "Trainer"]
-
-class DraftModel(nn.Module):
-    """The trainable part of the draft model: the head and the LoRA draft layers.
-
-    ``forward(tokens (B, L), mask (B, L) or None, features (B, L, d) or None) -> (loss,
-    nll_sum (n,), count (n,))``. The frozen LM is reached through the backbone but not registered
-    as a sub-module, so DDP only sees (and synchronises) the head and the draft layers. With
-    ``features`` (cached: :mod:`circuits_llm.training.features`) the backbone does not run: they
-    are the draft hidden states (``lora_layers = 0``) or the draft branch's inputs, which only the
-    ``k`` draft layers turn into draft hidden states (``branch``).
-    """
-
-    def __init__(self, backbone: HFBackbone, head: MTPHead, gamma: float, bf16: bool,
-                 branch: BranchArguments | None = None) -> None:
-        super().__init__()
-        self.head = head
-        self.draft_layers = backbone.draft_layers
-        self._backbone = (backbone,)
-        self.gamma = gamma
-        self.bf16 = bf16
-        self.branch = branch
-        #: the LM's own law as the target (``TargetLaw.MODEL``; None: the data's tokens)
-        self.teacher: LanguageModelTeacher | None = None
-
-    def hidden(self, tokens: Tensor, features: Tensor | None = None) -> Tensor:
-        """(B, L) tokens, or their cached (B, L, d) features -> (B, L, d) float32 draft hidden
-        states."""
-        return self.states(tokens, features)[0]
-
-    def states(self, tokens: Tensor, features: Tensor | None = None,
-               ) -> tuple[Tensor, TeacherLaw | None]:
-        """The (B, L, d) float32 draft hidden states and, with :attr:`teacher`, the LM's law
-        at every position (from the live logits, or from the cached LM-head input)."""
-        backbone = self._backbone[0]
-        law = None
-        with torch.autocast(device_type=backbone.device.type, dtype=torch.bfloat16,
-                            enabled=self.bf16):
-            if features is None:
-                logits, hidden = backbone.hidden_states(tokens)
-                if self.teacher is not None:
-                    law = self.teacher.from_logits(logits)
-            elif backbone.lora_layers == 0:
-                hidden = features
-                if self.teacher is not None:
-                    law = self.teacher.from_features(features)
-            else:
-                if self.branch is None:
-                    raise ValueError("cached branch inputs need the draft branch's arguments "
-                                     "(DraftModel.branch)")
-                if self.teacher is not None:
-                    raise ValueError("the LM's law cannot be read from cached branch inputs")
-                dtype = next(backbone.model.parameters()).dtype
-                hidden = self.branch.run(backbone, features.to(backbone.device, dtype))
-        return hidden.float(), law
-
-    def forward(self, tokens: Tensor, mask: Tensor | None,
-                features: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        hidden, law = self.states(tokens, features)
-        out = mtp_loss(self.head, hidden, tokens, mask, self.gamma, teacher=law)
-        return out.loss, out.nll_sum, out.count
-
 
 def _features(data: SequenceSet, index: Tensor, device: torch.device) -> Tensor | None:
     """The cached (b, L, d) features of rows ``index`` on ``device`` (None: not cached)."""
@@ -149,7 +92,7 @@ class Trainer:
         self.feature_entries: list[Path] = []
         torch.manual_seed(config.seed)  # the LoRA initialisation draws from the global RNG
         self.backbone = build_backbone(model, config)
-        self.plan = plan_head(config, self.backbone)  # sized and checked; built with the data
+        self.plan_module()  # sized and checked; built with the data
         self.device = self.backbone.device
         self.gamma = default_gamma(config.window) if config.gamma is None else config.gamma
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -169,6 +112,37 @@ class Trainer:
         self.draft: DraftModel
         self.parameters: list[nn.Parameter]
         self.optimizer: torch.optim.AdamW
+
+    def plan_module(self) -> None:
+        """Size and check the trained module before any data exist (the head's plan); a
+        subclass that trains another module checks its own config here."""
+        self.plan = plan_head(self.config, self.backbone)
+
+    def trained_module(self) -> MTPHead | TrainedModule:
+        """What the checkpoint stores and restores (:class:`RunCheckpoint`): the head."""
+        return self.head
+
+    @property
+    def validation_positions(self) -> int:
+        """How many per-position NLLs a validation reports: the head's window."""
+        return self.config.window
+
+    def validation_sums(self, tokens: Tensor, mask: Tensor | None, features: Tensor | None,
+                        ) -> tuple[Tensor, Tensor]:
+        """``(nll_sum, count)``, each (:attr:`validation_positions`,), of one validation chunk:
+        the head's token NLL per window position."""
+        out = mtp_loss(self.head, self.draft.hidden(tokens, features), tokens, mask, self.gamma)
+        return out.nll_sum, out.count
+
+    def summary(self) -> str:
+        """One line: the head's size against its budget, and the largest peak memory of a step."""
+        size, peak = self.plan.size, self.peak_memory()
+        share = size.parameters / size.backbone_parameters
+        coverage = "" if self.draft_coverage is None else \
+            f", covering {self.draft_coverage:.1%} of the training tokens"
+        memory = "no step run" if peak["mib"] is None else f"{peak['mib']:,.1f} MiB ({peak['kind']})"
+        return (f"{self.plan.describe()}: {size.parameters:,} parameters, {share:.2%} of the "
+                f"backbone{coverage}; peak memory of a step: {memory}")
 
     def cached_features(self, train: SequenceSet, validation: SequenceSet,
                         ) -> tuple[SequenceSet, SequenceSet]:
@@ -226,8 +200,8 @@ class Trainer:
         """
         if found is None:
             return
-        state = self.checkpoint.load_into(found, self.head, self.backbone, self.optimizer,
-                                          self.generator)
+        state = self.checkpoint.load_into(found, self.trained_module(), self.backbone,
+                                          self.optimizer, self.generator)
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self.history, self.recent_losses = list(state["history"]), list(state["recent_losses"])
         self.initial = PositionValidation.from_dict(state["initial_validation"])
@@ -251,7 +225,8 @@ class Trainer:
             CheckpointWriteError: the write failed (``checkpoint.pt`` is unchanged).
         """
         assert self.initial is not None
-        self.checkpoint.save(self.head, self.backbone, self.optimizer, self.generator, {
+        self.checkpoint.save(self.trained_module(), self.backbone, self.optimizer,
+                             self.generator, {
             "step": self.step, "elapsed": self.elapsed, "history": self.history,
             "recent_losses": self.recent_losses, "initial_validation": self.initial.to_dict()})
 
@@ -260,9 +235,9 @@ class Trainer:
     def validate(self, data: SequenceSet) -> PositionValidation:
         """Token-weighted NLL per window position on the fixed validation sequences."""
         self.draft.eval()
-        window = self.config.window
-        sums = torch.zeros(window, dtype=torch.float64)
-        counts = torch.zeros(window, dtype=torch.float64)
+        positions = self.validation_positions
+        sums = torch.zeros(positions, dtype=torch.float64)
+        counts = torch.zeros(positions, dtype=torch.float64)
         mine = torch.arange(len(data))[self.context.rank::self.context.world_size]
         for chunk in mine.split(max(1, self.config.batch_size // self.context.world_size)):
             tokens, mask = data.rows(chunk)
@@ -270,10 +245,9 @@ class Trainer:
             tokens = tokens.to(self.device)
             features = _features(data, chunk, self.device)
             with self.valid_outputs(self.step):
-                out = mtp_loss(self.head, self.draft.hidden(tokens, features), tokens, mask,
-                               self.gamma)
-            sums += out.nll_sum.double().cpu()
-            counts += out.count.double().cpu()
+                nll_sum, count = self.validation_sums(tokens, mask, features)
+            sums += nll_sum.double().cpu()
+            counts += count.double().cpu()
         sums, counts = self.context.all_sum(sums), self.context.all_sum(counts)
         self.draft.train()
         nll = tuple(float(s / c) if c > 0 else math.nan for s, c in zip(sums, counts, strict=True))
