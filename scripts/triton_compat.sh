@@ -3,6 +3,10 @@
 # several triton releases: tests/test_kernels_cubin.py with each release put first on the path.
 #   scripts/triton_compat.sh [VERSION ...]   (default: 3.6.0 3.7.1 3.9.0)
 # 3.6 and 3.7.1 are the releases torch 2.11 and 2.13 pin; 3.9.0 was the newest when written.
+# CI (.ci/run) passes only 3.9.0: its other steps compile with 3.7.1 (`make test`, the newest
+# Python) and 3.6 (`make test-floors`, beside torch 2.11), tests/test_kernels_cubin.py being
+# version-sensitive. Compiled kernels are cached by triton (~/.triton/cache): a release whose
+# kernels did not change since the last run compiles in seconds, else about 2.5 min on 2 cores.
 # Each release is installed once into ${CIRCUITS_TRITONS:-~/.cache/circuits-llm/tritons}/VERSION
 # with pip --target (the wheels are 200-400 MB) beside the interpreter's own torch.
 set -euo pipefail

@@ -79,3 +79,84 @@ def _private_corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         os.environ.pop(CACHE_ENV, None)
     else:
         os.environ[CACHE_ENV] = before
+
+
+# --- version_sensitive: the tests CI reruns on the newest Python, without triton, on the floors ---
+#
+# `make test` runs the whole suite once, on the README's Python and pinned versions. The other CI
+# configurations (scripts/test_python.sh: the newest Python with and without triton;
+# scripts/test_floors.sh: the oldest supported versions) run only `-m version_sensitive`: the tests
+# of code whose behaviour depends on the interpreter or on a dependency's release (triton's
+# interpreter and compiler, transformers' KV caches and generate, peft, tokenizers/GGUF,
+# outlines-core, torch.compile, serialization, numpy/networkx, real processes and signals).
+# The marker is given here, by module, from tests/version_sensitive.txt (which says why for each
+# module), so test files need no edit; a test may also carry @pytest.mark.version_sensitive itself.
+# When the marker is selected, a listed module that does not exist or a name filter that names no
+# test function is a usage error (exit status 4), checked on the source before collection (so in
+# the controller under pytest-xdist too): a rename cannot silently shrink the selection. An empty
+# selection (a typo in `-m`) is pytest's exit status 5.
+
+VERSION_SENSITIVE = "version_sensitive"
+_VERSION_SENSITIVE_LIST = Path(_TESTS) / "version_sensitive.txt"
+_ENTRIES_KEY = pytest.StashKey[dict[str, tuple[str, ...]]]()
+
+
+def _version_sensitive_entries() -> dict[str, tuple[tuple[str, ...], str]]:
+    """``{module file name: (name filters, where listed)}`` from tests/version_sensitive.txt.
+
+    A line is ``test_module.py`` (every test of the module) or ``test_module.py::part|part``: then
+    only the test functions whose name contains one of the parts. ``#`` starts a comment.
+    """
+    entries: dict[str, tuple[tuple[str, ...], str]] = {}
+    for number, raw in enumerate(_VERSION_SENSITIVE_LIST.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        module, _, names = line.partition("::")
+        where = f"tests/{_VERSION_SENSITIVE_LIST.name}:{number}"
+        if module in entries:
+            raise pytest.UsageError(f"{where}: tests/{module} is listed twice")
+        parts = tuple(p.strip() for p in names.split("|") if p.strip())
+        if names and not parts:
+            raise pytest.UsageError(f"{where}: empty name filter after '::'")
+        entries[module] = (parts, where)
+    return entries
+
+
+def _check_version_sensitive(entries: dict[str, tuple[tuple[str, ...], str]]) -> None:
+    """Every listed module exists and every name filter names one of its test functions."""
+    import ast
+
+    for module, (parts, where) in entries.items():
+        path = Path(_TESTS) / module
+        if not path.is_file():
+            raise pytest.UsageError(f"{where}: no test module tests/{module}")
+        if not parts:
+            continue
+        names = [node.name for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                 and node.name.startswith("test")]
+        stale = [part for part in parts if not any(part in name for name in names)]
+        if stale:
+            raise pytest.UsageError(
+                f"{where}: no test function of tests/{module} has {' or '.join(stale)} in its name")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    entries = _version_sensitive_entries()
+    selected = VERSION_SENSITIVE in (config.option.markexpr or "")
+    if selected and not hasattr(config, "workerinput"):  # once, not in every xdist worker
+        _check_version_sensitive(entries)
+    config.stash[_ENTRIES_KEY] = {module: parts for module, (parts, _) in entries.items()}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    entries = config.stash[_ENTRIES_KEY]
+    for item in items:
+        parts = entries.get(item.path.name)
+        if parts is None:
+            continue
+        name = getattr(item, "originalname", item.name)  # the function's name, without parameters
+        if not parts or any(part in name for part in parts):
+            item.add_marker(VERSION_SENSITIVE)
