@@ -6,14 +6,20 @@ target's shape over ``W [rms(h); rms(E[x])]``, the target's final norm and compr
 cache, which follows the verifier's; what :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`
 takes in place of a head); :mod:`~circuits_llm.draft_block.training` (the loss over depths, where
 later depths read the block's own outputs, and a training loop on cached prefill features);
+:mod:`~circuits_llm.draft_block.circuit_drafter` (:class:`BlockCircuitDrafter`: the block run once
+per round, its output read by any circuit head that drafts the whole window with its exact joint
+law; :func:`circuits_llm.training.block_circuit.train_block_head` trains such a head with the MTP
+loss on the frozen block's outputs);
 :mod:`~circuits_llm.draft_block.io` (:func:`save_draft_block` / :func:`load_draft_block`: the
 block's own weights and a checked config, refused for another model). ``train-head --draft-block``
 (:mod:`circuits_llm.training.block_trainer`) trains one in the head-training loop.
 """
 
 from circuits_llm.draft_block.block import BlockInit, DraftBlock, DraftBlockError
-from circuits_llm.draft_block.drafter import BlockDrafter, BlockRoundProgram
+from circuits_llm.draft_block.circuit_drafter import BlockCircuitDrafter, BlockCircuitRoundProgram
+from circuits_llm.draft_block.drafter import BlockCacheFollower, BlockDrafter, BlockRoundProgram
 from circuits_llm.draft_block.io import DraftBlockFileError, load_draft_block, save_draft_block
 
-__all__ = ["BlockDrafter", "BlockInit", "BlockRoundProgram", "DraftBlock", "DraftBlockError",
+__all__ = ["BlockCacheFollower", "BlockCircuitDrafter", "BlockCircuitRoundProgram", "BlockDrafter",
+           "BlockInit", "BlockRoundProgram", "DraftBlock", "DraftBlockError",
            "DraftBlockFileError", "load_draft_block", "save_draft_block"]

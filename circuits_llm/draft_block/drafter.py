@@ -25,7 +25,10 @@ After the round (:meth:`BlockDrafter.follow`) the speculative entries are croppe
 positions' pairs, whose features the verify forward already computed (``step.draft_hidden``),
 become pending: they join the next round's first block call, so the cache follows the verifier
 with no extra backbone call and no extra block call. :meth:`BlockDrafter.flush` runs the pending
-pairs at once (the tests compare the cache with a fresh prefill of the block after it).
+pairs at once (the tests compare the cache with a fresh prefill of the block after it). That cache
+following is :class:`BlockCacheFollower`, shared with the circuit on the block
+(:class:`~circuits_llm.draft_block.circuit_drafter.BlockCircuitDrafter`, whose round runs only the
+first step).
 """
 
 from __future__ import annotations
@@ -43,27 +46,28 @@ from circuits_llm.decoding.warping import SamplingConfig, warp_logits
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
 from circuits_llm.runtime.compiling import Compiler
 
-__all__ = ["BlockDrafter", "BlockRoundProgram"]
+__all__ = ["BlockCacheFollower", "BlockDrafter", "BlockRoundProgram"]
 
 
-class BlockDrafter:
-    """A :class:`~circuits_llm.protocols.ContextDrafter` over a :class:`DraftBlock`: the block's
-    KV cache and the pending features of one sequence.
+class BlockCacheFollower:
+    """A draft block's KV cache for one sequence, kept in step with the verifier's: the part of a
+    :class:`~circuits_llm.protocols.ContextDrafter` over a :class:`DraftBlock` that every way of
+    drafting from the block shares (:class:`BlockDrafter`'s recursion,
+    :class:`~circuits_llm.draft_block.circuit_drafter.BlockCircuitDrafter`'s circuit).
 
     Attributes:
         block: the draft block (weights).
+        cache: the block's KV cache.
         length: positions of the cache holding verified pairs (speculative ones come after).
     """
 
     def __init__(self, block: DraftBlock) -> None:
         if not isinstance(block, DraftBlock):
-            raise DraftBlockError(f"a BlockDrafter drafts with a DraftBlock, got "
+            raise DraftBlockError(f"a {type(self).__name__} drafts with a DraftBlock, got "
                                   f"{type(block).__name__}")
         self.block = block
-        self.window: int = block.window
         self.vocab_size: int = block.vocab_size
         self.hidden_size: int = block.hidden_size
-        self.draft_tokens: Tensor | None = block.draft_tokens
         self.cache = block.new_cache()
         self.length = 0
         self._pending: tuple[Tensor, Tensor] | None = None
@@ -123,6 +127,22 @@ class BlockDrafter:
         output = self.block.extend(features, tokens[None], self.cache)
         self.length += tokens.numel()
         return output[:, -1]
+
+
+class BlockDrafter(BlockCacheFollower):
+    """A :class:`~circuits_llm.protocols.ContextDrafter` over a :class:`DraftBlock`: recursive
+    drafting (FastMTP) from the block's KV cache and the pending features of one sequence
+    (:class:`BlockCacheFollower`).
+
+    Attributes:
+        window: ``k + 1``: the verified token and the block's ``k`` recursive drafts.
+        draft_tokens: the block's draft vocabulary (``None``: all ``V``).
+    """
+
+    def __init__(self, block: DraftBlock) -> None:
+        super().__init__(block)
+        self.window: int = block.window
+        self.draft_tokens: Tensor | None = block.draft_tokens
 
     def next_step(self, output: Tensor, token: Tensor) -> Tensor:
         """A recursive step: the block's own ``output`` (1, d) and the draft ``token`` (1,) at the
