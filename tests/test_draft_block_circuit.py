@@ -14,7 +14,7 @@ import pytest
 import torch
 from cuda_graph_double import CudaGraphDouble
 from draft_block_models import perturbed_block, tiny_llama
-from toy import add_outcomes, law_p_value, stand_in_marginal, total_variation
+from toy import add_outcomes, continuation_law, law_p_value, stand_in_marginal, total_variation
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
@@ -223,17 +223,7 @@ def _decoder_law(drafter: BlockCircuitDrafter, length: int, config: SamplingConf
                              weight)
         return outcomes
 
-    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
-        result: Law = defaultdict(float)
-        for emitted, prob in round_outcomes(sequence).items():
-            if len(emitted) >= remaining:
-                result[emitted[:remaining]] += prob
-                continue
-            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
-                result[emitted + tail] += prob * tail_prob
-        return result
-
-    return dict(continuation(tuple(PROMPT), length))
+    return continuation_law(round_outcomes, PROMPT, length)
 
 
 @pytest.mark.parametrize("config", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=2)],

@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 import torch
 from draft_block_models import perturbed_block, tiny_llama
-from toy import add_outcomes, law_p_value, total_variation
+from toy import add_outcomes, continuation_law, law_p_value, total_variation
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.backbone.cache_slots import drop_last_positions
@@ -79,17 +79,7 @@ def _decoder_law(block: DraftBlock, length: int, config: SamplingConfig,
                                  torch.tensor([d1, d2]), CorrectionPolicy.EXACT, weight)
         return outcomes
 
-    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
-        result: Law = defaultdict(float)
-        for emitted, prob in round_outcomes(sequence).items():
-            if len(emitted) >= remaining:
-                result[emitted[:remaining]] += prob
-                continue
-            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
-                result[emitted + tail] += prob * tail_prob
-        return result
-
-    return dict(continuation(tuple(PROMPT), length))
+    return continuation_law(round_outcomes, PROMPT, length)
 
 
 @pytest.mark.parametrize("warp", list(WARPS))

@@ -279,17 +279,7 @@ def decoder_law(lm: ToyLM, head: ToyHead, prompt: Sequence[int], length: int,
         rounds[sequence] = dict(outcomes)
         return rounds[sequence]
 
-    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
-        result: Law = defaultdict(float)
-        for emitted, prob in round_outcomes(sequence).items():
-            if len(emitted) >= remaining:
-                result[emitted[:remaining]] += prob
-                continue
-            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
-                result[emitted + tail] += prob * tail_prob
-        return result
-
-    return dict(continuation(tuple(prompt), length)) if length > 0 else {(): 1.0}
+    return continuation_law(round_outcomes, prompt, length)
 
 
 def stand_in_marginal(program: RoundProgram, hidden: Tensor, c: int) -> Tensor:
@@ -354,3 +344,21 @@ def law_p_value(samples: Sequence[tuple[int, ...]], law: Law) -> float:
     statistic = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in law.items())
     return float(torch.special.gammaincc(torch.tensor((len(law) - 1) / 2, dtype=torch.float64),
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def continuation_law(round_outcomes: Callable[[tuple[int, ...]], Law], prompt: Sequence[int],
+                     length: int) -> Law:
+    """The law of the first ``length`` tokens after ``prompt`` of a decoder whose rounds emit
+    ``round_outcomes(sequence)`` (emitted tuple -> probability), by enumeration over rounds."""
+
+    def continuation(sequence: tuple[int, ...], remaining: int) -> Law:
+        result: Law = defaultdict(float)
+        for emitted, prob in round_outcomes(sequence).items():
+            if len(emitted) >= remaining:
+                result[emitted[:remaining]] += prob
+                continue
+            for tail, tail_prob in continuation(sequence + emitted, remaining - len(emitted)).items():
+                result[emitted + tail] += prob * tail_prob
+        return result
+
+    return dict(continuation(tuple(prompt), length)) if length > 0 else {(): 1.0}
