@@ -33,3 +33,16 @@ def perturbed_block(model: LlamaForCausalLM, *, steps: int = 3, layers: int = 1,
             parameter.add_(noise * torch.randn(parameter.shape, generator=generator,
                                                dtype=parameter.dtype))
     return block.eval()
+
+
+class NextTokenLogits:
+    """An HF causal LM seen as the toy LMs are (``vocab_size``, ``next_token_logits(ids)`` (V,)),
+    so :func:`toy.target_law` enumerates its exact law."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.vocab_size: int = model.config.vocab_size
+
+    def next_token_logits(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(torch.tensor([ids])).logits[0, -1]

@@ -13,8 +13,8 @@ from collections import defaultdict
 import pytest
 import torch
 from cuda_graph_double import CudaGraphDouble
-from draft_block_models import perturbed_block, tiny_llama
-from toy import add_outcomes, continuation_law, law_p_value, stand_in_marginal, total_variation
+from draft_block_models import NextTokenLogits, perturbed_block, tiny_llama
+from toy import add_outcomes, continuation_law, law_p_value, stand_in_marginal, target_law, total_variation
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
@@ -166,17 +166,7 @@ def _small_drafter() -> BlockCircuitDrafter:
 
 
 def _target_law(length: int, config: SamplingConfig) -> Law:
-    law: Law = {(): 1.0}
-    for _ in range(length):
-        longer: Law = {}
-        for tokens, prob in law.items():
-            with torch.no_grad():
-                logits = SMALL(torch.tensor([[*PROMPT, *tokens]])).logits[0, -1]
-            for y, p in enumerate(target_probs(logits, config).tolist()):
-                if p > 0:
-                    longer[(*tokens, y)] = prob * p
-        law = longer
-    return law
+    return target_law(NextTokenLogits(SMALL), PROMPT, length, config)  # type: ignore[arg-type]
 
 
 def _seed(drafter: BlockCircuitDrafter, sequence: tuple[int, ...]

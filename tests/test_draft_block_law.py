@@ -14,8 +14,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-from draft_block_models import perturbed_block, tiny_llama
-from toy import add_outcomes, continuation_law, law_p_value, total_variation
+from draft_block_models import NextTokenLogits, perturbed_block, tiny_llama
+from toy import add_outcomes, continuation_law, law_p_value, target_law, total_variation
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.backbone.cache_slots import drop_last_positions
@@ -32,17 +32,7 @@ Law = dict[tuple[int, ...], float]
 
 
 def _target_law(length: int, config: SamplingConfig) -> Law:
-    law: Law = {(): 1.0}
-    for _ in range(length):
-        longer: Law = {}
-        for tokens, prob in law.items():
-            with torch.no_grad():
-                logits = MODEL(torch.tensor([[*PROMPT, *tokens]])).logits[0, -1]
-            for y, p in enumerate(target_probs(logits, config).tolist()):
-                if p > 0:
-                    longer[(*tokens, y)] = prob * p
-        law = longer
-    return law
+    return target_law(NextTokenLogits(MODEL), PROMPT, length, config)  # type: ignore[arg-type]
 
 
 def _decoder_law(block: DraftBlock, length: int, config: SamplingConfig,
