@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from circuits.files import atomic_write, atomic_write_json, sha256_file
 from circuits_llm.draft_block.block import BlockInit, DraftBlock, DraftBlockError
+from circuits_llm.runtime.tensor_files import read_verified_tensors
 from circuits_llm.text.models import backbone_identity
 
 __all__ = ["BLOCK_CONFIG_FILE", "BLOCK_TENSORS_FILE", "BlockFileConfig", "DraftBlockFileError",
@@ -192,15 +192,8 @@ def _check_model(config: BlockFileConfig, path: Path, model: PreTrainedModel) ->
 
 def _read_tensors(config: BlockFileConfig, path: Path) -> dict[str, Tensor]:
     """The tensor file, checked against its checksum and the recorded storage dtype."""
-    if sha256_file(path) != config.tensors_sha256:
-        raise DraftBlockFileError(f"{path} does not match the checksum recorded in "
-                                  f"{BLOCK_CONFIG_FILE}: the file is corrupt or was written by "
-                                  "another save")
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as error:
-        raise DraftBlockFileError(f"{path} cannot be read ({error}); the file is corrupt") \
-            from None
+    tensors = read_verified_tensors(path, config.tensors_sha256, BLOCK_CONFIG_FILE,
+                                    DraftBlockFileError)
     if config.storage_dtype is not None:
         wanted = _STORAGE[config.storage_dtype]
         wrong = sorted(name for name, value in tensors.items()

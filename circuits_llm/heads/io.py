@@ -33,8 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from circuits.errors import CircuitError
@@ -44,6 +43,7 @@ from circuits_llm.heads.config import HeadConfig, HeadConfigError, HeadVariant, 
 from circuits_llm.heads.head import MTPHead
 from circuits_llm.heads.kinds import head_kind
 from circuits_llm.heads.vocab import check_draft_tokens
+from circuits_llm.runtime.tensor_files import read_verified_tensors
 
 TENSORS_FILE = "head.safetensors"
 CONFIG_FILE = "head_config.json"
@@ -239,15 +239,8 @@ def load_head(directory: str | Path, expected_hidden_size: int | None = None,
     config = HeadConfig.from_json(config_path.read_text(), str(config_path))
     _check_expected(config, config_path, expected_hidden_size, expected_vocab_size,
                     expected_fingerprint)
-    if config.tensors_sha256 is not None and sha256_file(tensors_path) != config.tensors_sha256:
-        raise HeadConfigError(
-            f"{tensors_path} does not match the checksum recorded in {config_path}: the file is "
-            "corrupt or was written by another save")
-    try:
-        tensors = load_file(str(tensors_path))
-    except (SafetensorError, OSError, ValueError) as error:
-        raise HeadConfigError(f"{tensors_path} cannot be read ({error}); the file is corrupt") \
-            from None
+    tensors = read_verified_tensors(tensors_path, config.tensors_sha256, config_path,
+                                    HeadConfigError)
     tensors = _stored_tensors(config, tensors, tensors_path)
     tokens = _draft_tokens(config, tensors, tensors_path)
     circuit = _rebuild_circuit(config, config_path)
