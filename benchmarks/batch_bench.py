@@ -1,7 +1,7 @@
 """Batched speculative decoding against batched autoregressive decoding: throughput over the batch.
 
 Run ``python -m benchmarks.batch_bench [--quick] [--batch-sizes 1,2,4,8,16] [--new-tokens N]
-[--repeats R] [--threads T] [--device cpu] [--out PATH]``.
+[--repeats R] [--threads T] [--device cpu] [--modes greedy,sampling] [--block DIR] [--out PATH]``.
 
 For every batch size ``B`` and mode (greedy, and sampling at ``T = 1``: no top-k, no top-p), the
 same ``B`` prompts (held-out code prefixes of different lengths) are decoded by
@@ -9,7 +9,10 @@ same ``B`` prompts (held-out code prefixes of different lengths) are decoded by
 * ``speculative``: :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder` with the shipped
   head (``circuits_llm.shipped_head(model, head)``) and the demo's decoding settings (draft
   confidence 0.3, minimum 0, the context copy): one backbone call per round for the batch, drafts
-  in one head pass per round (:mod:`circuits_llm.decoding.batch`);
+  in one head pass per round (:mod:`circuits_llm.decoding.batch`); with ``--block DIR`` (a
+  ``train-head --draft-block`` run directory) the draft block's recursive drafts instead
+  (:class:`~circuits_llm.draft_block.BlockDrafter`, one block state per row:
+  :mod:`circuits_llm.draft_block.batch`; no draft-length rule, no copy);
 * ``autoregressive``: this project's batched autoregressive decoder (one call per token for the
   batch, the same ragged caches);
 * ``hf_generate``: ``model.generate`` on the left-padded batch (dynamic cache; EOS suppressed
@@ -84,6 +87,8 @@ class BatchBenchConfig:
     lookup: tuple[float, ...] | None = (0.1, 0.3, 0.5)
     packed_linear: bool = True
     window: int = 4
+    modes: tuple[str, ...] = tuple(MODES)
+    block: str | None = None
 
     @classmethod
     def quick(cls, threads: int = 1, device: str = "cpu") -> BatchBenchConfig:
@@ -131,7 +136,12 @@ def batch_prompts(loaded: Any, count: int, length: int) -> list[list[int]]:
 
 
 def load_head(config: BatchBenchConfig, loaded: Any, device: torch.device) -> Any:
-    """The run's head: the shipped ``config.head`` for the model, or a random BTree head."""
+    """The run's head: a trained draft block's recursive drafter (``config.block``), the shipped
+    ``config.head`` for the model, or a random BTree head."""
+    if config.block is not None:
+        from circuits_llm.draft_block import BlockDrafter
+        from circuits_llm.training.block_trainer import load_trained_block
+        return BlockDrafter(load_trained_block(config.block, loaded.model).to(device))
     if config.head != "random":
         from circuits_llm import shipped_head
         return shipped_head(config.model, config.head, device=device).eval()
@@ -260,6 +270,8 @@ def run_benchmark(config: BatchBenchConfig, log: Callable[[str], None] = print) 
     if config.packed_linear:
         from circuits_llm.app.demo import pack_for_verify_blocks
         linear = pack_for_verify_blocks(model, head.window, device)
+    if config.block is not None:  # a draft block verifies all its drafts and mixes in no copy
+        config = dataclasses.replace(config, draft_confidence=None, lookup=None)
     rule = None if config.draft_confidence is None else \
         DraftLength.confident(config.draft_confidence, minimum=config.draft_minimum)
     lookup = None if config.lookup is None else ContextLookup(config.lookup)
@@ -274,10 +286,11 @@ def run_benchmark(config: BatchBenchConfig, log: Callable[[str], None] = print) 
         pad = eos if isinstance(eos, int) else eos[0] if eos else 0
     all_prompts = batch_prompts(loaded, max(config.batch_sizes), config.prompt_tokens)
     log(f"model: {loaded.source} ({sum(p.numel() for p in model.parameters()):,} parameters) on "
-        f"{device}; head {config.head} window {head.window}; {config.threads} threads; {linear}")
+        f"{device}; {'block ' + config.block if config.block else 'head ' + config.head} window "
+        f"{head.window}; {config.threads} threads; {linear}")
     results = []
     for size in config.batch_sizes:
-        for mode in MODES:
+        for mode in config.modes:
             entry = measure(config, decoders, peaks, model, all_prompts[:size], mode, pad)
             spec = entry["decoders"]["speculative"]
             log(f"  B={size:<3} {mode:<8} speculative {spec['tok_s']:8.1f} tok/s, "
@@ -301,7 +314,7 @@ def crossover(results: list[dict[str, Any]]) -> dict[str, int | None]:
     """Per mode, the smallest batch size where speculative decoding is slower than batched AR
     (``None``: faster at every size measured)."""
     out: dict[str, int | None] = {}
-    for mode in MODES:
+    for mode in dict.fromkeys(r["mode"] for r in results):
         below = [r["batch_size"] for r in results if r["mode"] == mode
                  and r["decoders"]["speculative"]["speedup_vs_ar"] < 1]
         out[mode] = min(below) if below else None
@@ -348,15 +361,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--plain-linear", action="store_true",
                         help="torch's default linear kernels (default: packed for verify blocks)")
+    parser.add_argument("--modes", default=None, help="comma-separated of greedy, sampling")
+    parser.add_argument("--block", default=None,
+                        help="a train-head --draft-block run directory: draft with its block")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     config = BatchBenchConfig.quick(args.threads, args.device) if args.quick else \
         BatchBenchConfig(threads=args.threads, device=args.device)
     changes: dict[str, Any] = {name: getattr(args, name) for name in
-                               ("model", "head", "new_tokens", "prompt_tokens", "repeats")
+                               ("model", "head", "new_tokens", "prompt_tokens", "repeats",
+                                "block")
                                if getattr(args, name) is not None}
     if args.batch_sizes is not None:
         changes["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))
+    if args.modes is not None:
+        modes = tuple(args.modes.split(","))
+        if not modes or any(mode not in MODES for mode in modes):
+            parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}, got "
+                         f"{args.modes!r}")
+        changes["modes"] = modes
     if args.plain_linear:
         changes["packed_linear"] = False
     config = dataclasses.replace(config, **changes)

@@ -8,6 +8,9 @@ What a user needs first, one import away::
     head = cl.MTPHead.from_name("btree", window=8, rank=16, hidden_size=..., vocab_size=...)
     head = cl.shipped_head("smollm2", "btree")  # a trained head that ships with the package
     result = cl.SpeculativeDecoder(loaded.model, head).generate(prompt_ids, max_new_tokens=64)
+    # a shipped draft block that reads the context (recursive "block", or "btree-block")
+    drafter = cl.shipped_drafter(loaded, "btree-block")
+    cl.SpeculativeDecoder(loaded.model, drafter).generate(prompt_ids, max_new_tokens=64)
     # exact options: verify only confident drafts; mix a copy of the context into the drafts
     cl.SpeculativeDecoder(loaded.model, head, lookup=cl.ContextLookup(),
                           draft_length=cl.DraftLength.confident(0.3, minimum=0))
@@ -19,7 +22,7 @@ tokenizers, corpora), :mod:`circuits_llm.decoding` (the decoders and the round),
 reports) and :mod:`circuits_llm.runtime` (timing, devices, checkpoints).
 """
 
-from circuits_llm.app.head_cache import shipped_head
+from circuits_llm.app.head_cache import shipped_drafter, shipped_head
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup
@@ -38,5 +41,6 @@ __all__ = [
     "load_model",
     "register_head_kind",
     "save_head",
+    "shipped_drafter",
     "shipped_head",
 ]

@@ -96,6 +96,47 @@ class ContextDrafter(Protocol):
     round calls :meth:`follow` with the features of the positions the round kept. Position
     alignment as for heads: the feature at position ``j`` (the backbone's draft hidden state after
     ``x_j``) is read with the token ``x_{j+1}``.
+
+    Optional members the decoder (:mod:`circuits_llm.decoding.decoder`, through
+    :mod:`circuits_llm.decoding.context_drafting`) uses when present; the run-time check
+    (:func:`context_drafter_problem`) asks only for the members above:
+
+    * ``decoding_problem(lookup, rule) -> str | None``: why the drafter cannot decode with the
+      decoder's ``lookup`` (a :class:`~circuits_llm.decoding.lookup.ContextLookup` or ``None``)
+      and ``draft_length`` rule (a :class:`~circuits_llm.decoding.draft_length.DraftLength`), or
+      ``None``. The decoder raises a ``DecoderError`` naming the drafter with that reason when the
+      decoder is built. A drafter without it takes neither: only ``lookup=None`` and
+      ``DraftLength.fixed()`` (every draft verified) are accepted.
+    * ``round_program(config, *, compile=, compiler=, draft_length=, lookup=)``: with a
+      ``decoding_problem`` the decoder also passes its rule and lookup as these two keywords
+      (without one it passes only ``compile`` and ``compiler``).
+    * ``device``: a ``torch.device`` where the drafts (and ``q``) live; without it, the CPU.
+
+    What the decoder reads of the program ``round_program`` returns: ``window`` (the drafter's),
+    ``draw_uniforms(generator)`` (sampling only: a round's float64 uniforms, the accept part's
+    ``window`` last), ``draft(hidden (1, d), c (1,) long, uniforms or None, component)`` with
+    ``component`` the round's copy component (``(n+1,)`` float64 with a lookup, else ``None``)
+    -> ``DraftResult``, ``verified(draft) -> int`` (``L``, the drafts to verify), and the accept
+    part's ``accept`` and ``outcome``. A ``DraftResult`` whose ``head_ok`` is false makes the
+    decoder raise ("the draft block's logits for this round are not finite"). Under a constraint
+    with ``ConstrainedDrafting.PRODUCT``, the program drafts:
+
+    * from the product of its head's circuit and the constraint's automaton when it is a
+      :class:`~circuits_llm.decoding.round.RoundProgram` (the circuit on a draft block): the
+      decoder calls its ``head_hidden(hidden (1, d), c (1,)) -> (1, d)`` exactly once a round to
+      get the hidden state the head reads (a program with state, such as a block, runs its one
+      step there), then ``head_parameters`` and the product drafter on ``head`` and ``circuit``;
+    * else by its own ``constrained_draft(hidden, c, uniforms, tracker, component)``, when it
+      has one: ``tracker`` the :class:`~circuits_llm.decoding.constrained.ConstraintTracker`
+      (``tracker.state`` the automaton's state after ``c``); every draft must be a token the
+      automaton allows and ``q`` exactly the law each was drawn from; the decoder verifies
+      ``int(draft.length)`` drafts and counts a round whose ``possible`` is false (nothing
+      could be drafted) as autoregressive;
+    * else freely, as without a constraint (only the target is masked).
+
+    A batch of prompts (:mod:`circuits_llm.decoding.batch`) keeps per-row state for a draft
+    block's drafters only (:mod:`circuits_llm.draft_block.batch`), without ``lookup`` or a
+    ``draft_length`` rule.
     """
 
     window: int
@@ -119,7 +160,8 @@ class ContextDrafter(Protocol):
         :class:`~circuits_llm.decoding.warping.SamplingConfig`): a
         :class:`~circuits_llm.decoding.round.AcceptProgram` (the shared accept part) with
         ``draw_uniforms``, ``draft`` and ``verified``; ``compiler`` a
-        :class:`~circuits_llm.runtime.compiling.Compiler` (this floor imports neither)."""
+        :class:`~circuits_llm.runtime.compiling.Compiler` (this floor imports neither). A drafter
+        with ``decoding_problem`` also takes ``draft_length=`` and ``lookup=`` (see above)."""
         ...
 
 

@@ -179,7 +179,7 @@ def test_circuits_imports_nothing_llm_specific(graph: dict[str, set[str]]) -> No
 
 def test_the_package_face() -> None:
     import circuits_llm
-    from circuits_llm.app.head_cache import shipped_head
+    from circuits_llm.app.head_cache import shipped_drafter, shipped_head
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     from circuits_llm.decoding.draft_length import DraftLength
     from circuits_llm.decoding.lookup import ContextLookup
@@ -191,7 +191,7 @@ def test_the_package_face() -> None:
             "load_model": load_model, "MTPHead": MTPHead, "SpeculativeDecoder": SpeculativeDecoder,
             "AutoregressiveDecoder": AutoregressiveDecoder, "StopCondition": StopCondition,
             "save_head": save_head, "load_head": load_head, "register_head_kind": register_head_kind,
-            "shipped_head": shipped_head}
+            "shipped_head": shipped_head, "shipped_drafter": shipped_drafter}
     assert sorted(circuits_llm.__all__) == sorted(face)
     for name, value in face.items():
         assert getattr(circuits_llm, name) is value

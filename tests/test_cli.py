@@ -173,6 +173,12 @@ def test_generate_on_cpu_and_auto_devices(demo_run: dict, capsys: pytest.Capture
     (["generate", "--model", "{model}", "--prompt", "x", "--head", "ff", "--cache-dir",
       "{empty}"], "no trained ff head"),
     (["demo", "--model", "{model}", "--window", "1"], "--window must be >= 2"),
+    # issue 44: the draft blocks by name, on a model none ships for
+    (["generate", "--model", "{model}", "--prompt", "x", "--head", "block"],
+     "no shipped block draft block for this model"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--head", "btree-block"],
+     "--on-block BLOCK_RUN"),
+    (["demo", "--model", "{model}", "--blocks", "block,ff"], "--blocks names draft blocks"),
 ])
 def test_clear_errors(argv: list[str], message: str, tiny_model: Path, tmp_path: Path,
                       capsys: pytest.CaptureFixture[str]) -> None:

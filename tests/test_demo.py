@@ -8,6 +8,7 @@ into a temporary shipped-heads directory, so the demo itself only decodes and re
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -20,12 +21,15 @@ from circuits_llm.app import demo as demo_module
 from circuits_llm.app import head_cache as hc
 from circuits_llm.app import report
 from circuits_llm.app.report import DecodeMode, DecoderRow, TokenUnit
+from circuits_llm.app.shipping import write_shipped_block
 from circuits_llm.decoding.metrics import DecodeSummary
+from circuits_llm.draft_block import DraftBlock
+from circuits_llm.heads import MTPHead
 from circuits_llm.text.byte_level import Split, corpus_files, split_of
 from circuits_llm.text.chat_requests import PromptSet, evaluation_chat_prompts
 from circuits_llm.text.corpus import CACHE_ENV, evaluation_prompts
 from circuits_llm.text.models import load_model
-from circuits_llm.training import train_head
+from circuits_llm.training import HeadTrainingConfig, train_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::circuits_llm.heads.sizing.HeadBudgetWarning")
 
@@ -76,7 +80,10 @@ def test_demo_on_a_subword_model_decodes_and_reports(world: dict, tmp_path: Path
     for item in result["analysis"]:
         assert item["head_over_verify"] > 0 and item["ideal_speedup"] > 0
     assert [t["name"] for t in result["targets"]] == [t.name for t in report.TARGETS]
-    assert all(isinstance(t["met"], bool) for t in result["targets"])
+    block_targets = {t.name for t in report.BLOCK_TARGETS}
+    assert all(isinstance(t["met"], bool) for t in result["targets"]
+               if t["name"] not in block_targets)
+    assert all(t["met"] is None for t in result["targets"] if t["name"] in block_targets)
     tokenizer = world["loaded"].tokenizer
     prompt = evaluation_prompts(tokenizer, 2, 12)[0]
     assert result["sample"]["prompt"] == tokenizer.decode(prompt)
@@ -113,6 +120,45 @@ def test_demo_with_the_copy_and_compiled_rounds(world: dict, tmp_path: Path,
         assert decoder.compile and not decoder.backbone.compiled
         for program in decoder._programs.values():
             assert not program._draft.fallbacks and not program._accept.fallbacks
+
+
+def test_demo_compares_shipped_draft_blocks(world: dict, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44's rows: the recursive block and a BTree head on it, shipped for the model, are
+    decoded beside AR, FF and BTree (compiled rounds, the copy asked for), greedy identical; a
+    block none ships for is left out and said so."""
+    monkeypatch.setattr("circuits_llm.training.train_head", _no_training)
+    shipped = tmp_path / "shipped"
+    shutil.copytree(world["shipped"], shipped)
+    model = world["loaded"].model
+    block = DraftBlock(model, steps=2).eval()
+    head = MTPHead.from_name("btree", 3, 2, 32, 300, variant="lean",
+                             lm_head_weight=model.lm_head.weight, draft_vocab=40).eval()
+    record = {"config": HeadTrainingConfig(window=3, draft_block=True, steps=2).to_dict(),
+              "step": 2, "finished": True, "elapsed_s": 1.0, "tokens_seen": 32}
+    write_shipped_block(block, model, shipped / "tiny-block", model_name="tiny", record=record)
+    write_shipped_block(block, model, shipped / "tiny-btree-block", model_name="tiny",
+                        record=record, head=head)
+    config = replace(TINY, blocks=("block", "btree-block", "cp-block"), compile_rounds=True,
+                     lookup=(0.3, 0.6))
+    lines: list[str] = []
+    result = demo_module.run_comparison(config, world["model_dir"], tmp_path / "out",
+                                        tmp_path / "cache", command="demo", progress=False,
+                                        log=lines.append, shipped=shipped)
+    names = ("autoregressive", "ff", "btree", "block", "btree-block")
+    assert {(r["decoder"], r["mode"]) for r in result["rows"]} == \
+        {(d, m.value) for d in names for m in DecodeMode}
+    assert result["greedy_identical"]["all"] and result["greedy_identical"]["decoders"] == \
+        sorted(names)
+    for name, kind in (("block", "block"), ("btree-block", "block_head")):
+        record = result["heads"][name]
+        assert record["origin"] == "shipped" and record["layout"] == kind
+        assert set(record["decoding"]) == {"lookup", "draft_length", "refused"}
+    assert result["heads"]["btree-block"]["circuit_head"]["kind"] == "btree"
+    printed = "\n".join(lines)
+    assert "draft block btree-block: shipped (tiny-btree-block)" in printed
+    assert "cp-block: none ships for this model" in printed
+    assert [t["name"] for t in result["targets"]] == [t.name for t in report.TARGETS]
 
 
 def test_resolve_model_finds_packaged_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

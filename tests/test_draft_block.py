@@ -10,7 +10,7 @@ from draft_block_models import perturbed_block, tiny_llama
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.decoder import SpeculativeDecoder
-from circuits_llm.decoding.lookup import ContextLookup
+from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.warping import DecoderError
 from circuits_llm.draft_block import BlockDrafter, BlockInit, DraftBlock, DraftBlockError
 from circuits_llm.protocols import context_drafter_problem
@@ -109,7 +109,7 @@ def test_drafter_meets_the_contract_and_bad_inputs_raise_one_clear_error() -> No
                      block.new_cache())
     with pytest.raises(DraftBlockError, match="a DraftBlock"):
         BlockDrafter(MODEL)  # type: ignore[arg-type]
-    with pytest.raises(DecoderError, match="neither lookup nor a draft_length"):
-        SpeculativeDecoder(MODEL, drafter, lookup=ContextLookup((0.5,)))
+    with pytest.raises(DecoderError, match=r"DraftLength.fixed\(4\) asks for more drafts"):
+        SpeculativeDecoder(MODEL, drafter, draft_length=DraftLength.fixed(4))
     with pytest.raises(DecoderError, match=r"DraftHead.*ContextDrafter"):
         SpeculativeDecoder(MODEL, block)  # the block's weights alone: pass BlockDrafter(block)

@@ -19,7 +19,7 @@ from toy import add_outcomes, continuation_law, law_p_value, stand_in_marginal, 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.decoder import SpeculativeDecoder
-from circuits_llm.decoding.lookup import ContextLookup
+from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, target_probs
 from circuits_llm.draft_block import (
     BlockCacheFollower,
@@ -268,8 +268,8 @@ def test_bad_inputs_raise_one_clear_error() -> None:
         BlockCircuitDrafter(block, block)
     with pytest.raises(DraftBlockError, match="a BlockCircuitDrafter drafts with a DraftBlock"):
         BlockCircuitDrafter(MODEL, _head(MODEL, "ff", 3, None))  # type: ignore[arg-type]
-    with pytest.raises(DecoderError, match="neither lookup nor a draft_length"):
-        SpeculativeDecoder(MODEL, drafter, lookup=ContextLookup((0.5,)))
+    with pytest.raises(DecoderError, match=r"DraftLength.fixed\(3\) asks for more drafts"):
+        SpeculativeDecoder(MODEL, drafter, draft_length=DraftLength.fixed(3))
     with pytest.raises(DraftBlockError, match=r"features must be \(1, m, 32\)"):
         drafter.begin(torch.zeros(1, 2, 31, dtype=torch.float64), torch.tensor([1, 2]))
 

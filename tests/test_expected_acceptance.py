@@ -1,6 +1,7 @@
-"""``benchmarks/expected_acceptance.py``: the expected acceptance of a head's first and second
-drafts on fixed text, against the head's joint law enumerated on the toy LM, and the tempered
-head it can measure."""
+"""``benchmarks/acceptance_measures.py``, ``benchmarks/acceptance_speed.py`` and the table and CLI
+of ``benchmarks/expected_acceptance.py``: the expected acceptance of a head's first and second
+drafts on fixed text, against the head's joint law enumerated on the toy LM, the tempered head it
+can measure, and the speed bounds against brute force."""
 
 from __future__ import annotations
 
@@ -11,18 +12,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.expected_acceptance import (
+from benchmarks.acceptance_measures import (
     Acceptance,
-    RoundCosts,
     TemperedHead,
     collect_positions,
     expected_acceptance,
-    measure_costs,
     measure_head,
     position_acceptance,
-    speed_bounds,
-    table,
 )
+from benchmarks.acceptance_speed import RoundCosts, measure_costs, speed_bounds
+from benchmarks.expected_acceptance import main, table
 from circuits.compiled.queries import log_marginal
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import SamplingConfig
@@ -113,16 +112,23 @@ def test_a_tempered_head_sharpens_or_flattens_its_inputs_only() -> None:
 def test_temperatures_share_positions_and_the_table_compares_heads() -> None:
     lm = ToyLM(vocab_size=VOCAB, hidden_size=4, order=2, seed=3)
     texts = [torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])]
-    rows = {name: measure_head(ToyHead(name, WINDOW, rank, 4, VOCAB, seed=7), lm, texts, [1.0, 2.0])
+    rows = {name: measure_head(ToyHead(name, WINDOW, rank, 4, VOCAB, seed=7), lm, texts, [1.0, 2.0],
+                               greedy=True)
             for name, rank in (("btree", 2), ("ff", 1))}
     for row in rows.values():
         assert set(row["by_temperature"]) == {"1", "2"}
         assert row["by_temperature"]["1"]["alpha1"] != row["by_temperature"]["2"]["alpha1"]
+        assert row["greedy"]["positions"] == 5 and row["greedy"]["alpha1"] in {0, 0.2, 0.4, 0.6, 0.8, 1}
+        assert row["by_temperature"]["1"]["beta3"] is None  # a window of 3 has no third draft
     lines = table(rows).splitlines()
-    assert len(lines) == 2 + 4
-    assert lines[2].startswith("| btree | 1 | 5 |") and lines[2].endswith("| 1.000 / 1.000 |")
+    assert len(lines) == 2 + 6  # T = 1 at two draft temperatures and greedy, per head
+    assert lines[2].startswith("| btree | T = 1 | 5 |") and lines[2].endswith("| - | 1.000 / 1.000 |")
+    assert lines[3].startswith("| btree | T = 1, draft temperature 2 | 5 |")
+    assert lines[4].startswith("| btree | greedy | 5 |")
     ratio = rows["ff"]["by_temperature"]["2"]["alpha1"] / rows["btree"]["by_temperature"]["2"]["alpha1"]
-    assert f"| {ratio:.3f} / " in lines[5]
+    assert f"| {ratio:.3f} / " in lines[6]
+    greedy = rows["ff"]["greedy"]["alpha1"] / max(rows["btree"]["greedy"]["alpha1"], 1e-12)
+    assert lines[7].startswith("| ff | greedy |") and f"| {greedy:.3f} / " in lines[7]
 
 
 def _speed(alpha1: list[float], verified: list[bool], verify: float, skip: float) -> float:
@@ -189,12 +195,11 @@ def test_costs_and_bounds_on_the_toy_lm() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--heads", ""], ["--draft-temperatures", "1,0"],
-                                  ["--draft-temperatures", "-1"]])
+                                  ["--draft-temperatures", "-1"], ["--head", "run"]])
 def test_bad_arguments_stop_before_the_model_loads(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks.expected_acceptance import main
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     assert stopped.value.code == 2
     error = capsys.readouterr().err
-    assert "give --heads" in error or "must all be > 0" in error
+    assert "give --heads" in error or "must all be > 0" in error or "give --block DIR too" in error

@@ -28,6 +28,7 @@ from circuits_llm.app.cli import main as cli_main
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.heads import load_head
 from circuits_llm.heads.io import CONFIG_FILE, TENSORS_FILE, head_tensors
+from circuits_llm.heads.shipped import SHIPPED_LIMIT_BYTES
 from circuits_llm.text.corpus import CACHE_ENV
 from circuits_llm.text.models import LoadedModel, backbone_identity, config_fingerprint, load_model
 from circuits_llm.training import HeadTrainingConfig, load_trained_head, train_head
@@ -36,9 +37,6 @@ TINY = dict(window=3, variant="lean", draft_vocab=40, seq_len=16, batch_size=4, 
             eval_every=2, eval_windows=2, checkpoint_every_s=0.0, learning_rate=1e-2)
 # the tiny heads are far above 5% of a 28k-parameter model, by design
 pytestmark = pytest.mark.filterwarnings("ignore::circuits_llm.heads.sizing.HeadBudgetWarning")
-
-#: the most the package's shipped heads may weigh (issue: at most 20 MB in the repository)
-SHIPPED_BUDGET_BYTES = 20 * 1024 * 1024
 
 
 def tiny_config(architecture: str, **changes: object) -> HeadTrainingConfig:
@@ -270,11 +268,13 @@ def test_clear_entry_removes_the_marker_and_files(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- the package's heads
 def test_package_heads_fit_the_budget_and_the_demo() -> None:
-    heads = hc.shipped_heads()
     if not hc.SHIPPED_DIR.is_dir():
         pytest.fail(f"{hc.SHIPPED_DIR} is missing: the package ships the demo's heads")
-    size = sum(p.stat().st_size for p in hc.SHIPPED_DIR.rglob("*") if p.is_file())
-    assert size <= SHIPPED_BUDGET_BYTES, f"shipped heads weigh {size / 2**20:.1f} MiB"
+    for directory in sorted(p for p in hc.SHIPPED_DIR.iterdir() if p.is_dir()):
+        # issue 44: each shipped directory (a head, a draft block, or both) at most 20 MB
+        size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+        assert size <= SHIPPED_LIMIT_BYTES, f"{directory.name} weighs {size / 1e6:.1f} MB"
+    heads = hc.shipped_heads(layouts=hc.HEAD_LAYOUTS)
     demo = demo_module.ComparisonConfig.demo()
     by_arch = {h.kind: h for h in heads}
     assert set(by_arch) == set(demo.heads)

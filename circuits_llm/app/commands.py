@@ -32,17 +32,14 @@ from circuits_llm.app.batch_generate import (
 from circuits_llm.app.demo import (
     ComparisonConfig,
     DemoError,
-    pack_for_verify_blocks,
     run_comparison,
-    training_config,
 )
-from circuits_llm.app.head_cache import default_cache_dir, find_head
+from circuits_llm.app.head_cache import default_cache_dir
+from circuits_llm.app.named_decoders import AUTOREGRESSIVE_NAMES, decoder_for
+from circuits_llm.heads.shipped import is_block_kind
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
 from circuits_llm.text.chat_requests import PromptSet
 from circuits_llm.text.models import EMBEDDED, ModelLoadError, load_model
-
-#: ``--head`` values that mean plain autoregressive decoding.
-AUTOREGRESSIVE_NAMES = ("ar", "none")
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -167,6 +164,10 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
                         help="compile only the speculative rounds (draft and accept programs); "
                              "every backbone stays eager (the fastest setting on a CPU)")
     tuning = parser.add_argument_group("overrides of the --quick / default settings")
+    tuning.add_argument("--blocks", type=_head_names, metavar="BLOCKS",
+                        help="comma-separated shipped draft blocks to compare too (block: "
+                             "recursive drafts; btree-block: a BTree head on the block's output; "
+                             "'' for none); a model none ships for has no such row")
     tuning.add_argument("--window", type=_positive_int)
     tuning.add_argument("--rank", type=_positive_int)
     tuning.add_argument("--variant", choices=("lean", "full"))
@@ -205,8 +206,8 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
 
 def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
     """``base`` with every override given on the command line."""
-    names = ("window", "rank", "variant", "lora_layers", "token_input", "draft_confidence",
-             "draft_minimum", "lookup", "train_steps", "train_seconds",
+    names = ("blocks", "window", "rank", "variant", "lora_layers", "token_input",
+             "draft_confidence", "draft_minimum", "lookup", "train_steps", "train_seconds",
              "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_set",
              "prompt_bytes",
              "new_tokens", "temperature")
@@ -226,6 +227,9 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
                      compile_rounds=base.compile_rounds or args.compile_rounds, **changes)
     if config.window < 2:
         raise DemoError(f"--window must be >= 2 (one known token plus drafts), got {config.window}")
+    if not all(is_block_kind(name) for name in config.blocks):
+        raise DemoError(f"--blocks names draft blocks (block, <kind>-block such as btree-block), "
+                        f"got {', '.join(config.blocks)}")
     unknown = sorted(set(config.token_input) - set(config.heads))
     if unknown:
         raise DemoError(f"--token-input names {', '.join(unknown)}, which this command does not "
@@ -254,73 +258,6 @@ def _run_comparison(command: str, base: Callable[[bool], ComparisonConfig]
 
 
 # ---------------------------------------------------------------------------- generate
-def _with_backbone(head: Any, loaded: Any, compile: bool, packed: bool) -> tuple[Any, Any]:
-    """``head`` in eval mode and a backbone on the model (without LoRA layers); ``packed``: the
-    model's linear weights packed for the head's verify blocks first (a CPU)."""
-    from circuits_llm.backbone import HFBackbone
-    if packed:
-        pack_for_verify_blocks(loaded.model, head.window, loaded.model.device)
-    lengths = sorted({1, head.window}) if compile else None
-    return head.eval(), HFBackbone(loaded.model, compile=compile, compiled_lengths=lengths)
-
-
-def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compile: bool,
-                     packed: bool) -> tuple[Any, Any, str]:
-    """The head ``--head`` names, its backbone, and where it came from: a head kind (one the user
-    trained into ``cache`` for this model, else the package's shipped head:
-    :func:`~circuits_llm.app.head_cache.find_head`), a saved head's directory (``save_head``'s
-    files, a shipped head's included) or a ``train-head`` run directory."""
-    from circuits_llm.heads import head_kind_names, load_head
-    from circuits_llm.heads.io import CONFIG_FILE
-    from circuits_llm.text.models import config_fingerprint
-    from circuits_llm.training import load_trained_head
-    run_dir, device = Path(head), loaded.model.device
-    if head.lower() in head_kind_names():
-        preferred = [training_config(ComparisonConfig.demo(quick), head.lower())
-                     for quick in (False, True)]
-        found = find_head(loaded, head.lower(), cache, preferred, model_name)
-        if found.shipped is not None:
-            return *_with_backbone(found.shipped.load(device), loaded, compile, packed), \
-                found.describe()
-        assert found.run_dir is not None
-        run_dir = found.run_dir
-    elif not run_dir.is_dir():
-        raise DemoError(f"--head {head}: expected a head kind ({', '.join(head_kind_names())}), "
-                        f"{', '.join(AUTOREGRESSIVE_NAMES)}, or a directory of a trained head")
-    elif (run_dir / CONFIG_FILE).is_file():  # a saved (or shipped) head
-        config = loaded.model.config
-        saved = load_head(run_dir, config.hidden_size, config.vocab_size, device=device,
-                          expected_fingerprint=config_fingerprint(loaded.model))
-        return *_with_backbone(saved, loaded, compile, packed), str(run_dir)
-    if packed:  # a train-head run
-        from circuits_llm.training.results import RECORD_FILE, read_record, record_config
-        window = record_config(read_record(run_dir), run_dir / RECORD_FILE).window
-        pack_for_verify_blocks(loaded.model, window, device)
-    return *load_trained_head(run_dir, loaded.model, compile=compile), str(run_dir)
-
-
-def _decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
-                 lookup: tuple[float, ...] = (), packed: bool = False,
-                 walk: float = 0.0, model_name: str = "MODEL") -> tuple[Any, str]:
-    """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
-    of the context into the drafts with ``lookup``'s weights, and under a constraint its walk
-    with weight ``walk``; a speculative decoder on a CPU with ``packed``: the model's linear
-    weights packed for its verify blocks), and a description of it."""
-    from circuits_llm.backbone import HFBackbone
-    from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
-    if head.lower() in AUTOREGRESSIVE_NAMES:
-        if lookup:
-            raise DemoError("--lookup mixes a copy of the context into a head's drafts: choose a "
-                            "--head other than ar, or leave --lookup out")
-        return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
-    mtp_head, backbone, where = _load_named_head(head, loaded, cache, model_name, compile, packed)
-    from circuits_llm.decoding.lookup import ContextLookup
-    # a weight of 0 never copies: the walk alone when only it is asked for
-    copy = ContextLookup(lookup or (0.0,), constraint_weight=walk) if lookup or walk else None
-    return (SpeculativeDecoder(backbone, mtp_head.eval(), compile=compile, lookup=copy),
-            f"speculative ({where}{', ' + copy.describe() if copy else ''})")
-
-
 def _constraint(args: argparse.Namespace) -> Any:
     """The ``--regex`` / ``--json-schema FILE`` constraint of ``generate``, or None."""
     from circuits_llm.constraints import ConstraintError, JsonSchema, Regex
@@ -343,7 +280,7 @@ def _generate(args: argparse.Namespace) -> int:
     batch = check_batch_arguments(args)
     loaded = load_model(args.model, device)
     if batch:  # many requests, decoded in batches (circuits_llm.app.batch_generate)
-        decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
+        decoder, description = decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
                                             lookup=args.lookup, packed=not args.plain_linear,
                                             model_name=str(args.model))
         return run_prompts_file(args, decoder, description, loaded)
@@ -356,7 +293,7 @@ def _generate(args: argparse.Namespace) -> int:
     if walk and (constraint is None or args.head.lower() in AUTOREGRESSIVE_NAMES):
         raise DemoError("--constraint-walk mixes the constraint's walk into a head's drafts: give "
                         "--regex or --json-schema and a --head other than ar, or leave it out")
-    decoder, description = _decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
+    decoder, description = decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
                                         args.compile, args.lookup, packed=not args.plain_linear,
                                         walk=walk, model_name=str(args.model))
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
@@ -379,8 +316,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Register ``demo``, ``bench`` and ``generate`` on an argparse subparsers object."""
-    demo = sub.add_parser("demo", help="train/load FF and BTree heads; compare AR, FF and BTree "
-                                       "decoding (table, JSON, trade-off plot, sample)")
+    demo = sub.add_parser("demo", help="train/load FF and BTree heads; compare AR, FF, BTree and "
+                                       "the shipped draft blocks' decoding (table, JSON, "
+                                       "trade-off plot, sample)")
     _comparison_arguments(demo, "runs/demo")
     demo.set_defaults(run=_guarded("demo", _run_comparison("demo", ComparisonConfig.demo)))
     bench = sub.add_parser("bench", help="the decoder comparison of demo on more prompts")
@@ -405,8 +343,10 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--head", default="btree",
                      help="a head kind: ff | btree (the package's shipped head for the model, or "
                           "one you trained for it with `demo` or `train-head` into --cache-dir) "
-                          "| ar (no head) | a head directory (train-head's --run-dir, or "
-                          "save_head's)")
+                          "| block | btree-block (the package's shipped draft block for the "
+                          "model: recursive drafts, or a BTree head on the block's output) "
+                          "| ar (no head) | a head or block directory (train-head's --run-dir, "
+                          "save_head's or save_draft_block's)")
     gen.add_argument("--max-new-tokens", type=_non_negative_int, default=128,
                      help="the most tokens to generate (fewer at EOS or a --stop string)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

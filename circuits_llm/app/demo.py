@@ -1,4 +1,5 @@
-"""The main job: load (or train) FF and BTree heads, then compare AR, FF and BTree decoding.
+"""The main job: load (or train) FF and BTree heads, then compare AR, FF, BTree and the shipped
+draft blocks' decoding.
 
 :func:`run_comparison` is what ``circuits-llm demo`` and ``circuits-llm bench`` run, a script
 over one module per step:
@@ -11,7 +12,8 @@ over one module per step:
    settings, else the head shipped in the package for this model, read in place
    (``circuits_llm/heads_shipped``, trained by ``scripts/train_demo_heads.sh``), else train it
    into the cache (:func:`circuits_llm.app.head_cache.obtain_head`); ``--retrain`` always trains
-   afresh;
+   afresh; the shipped draft blocks of ``blocks`` (issue 44: ``block``, ``btree-block``) are
+   read for the model when it has them (:mod:`circuits_llm.app.demo_blocks`), never trained;
 3. decode held-out prompts (prefixes of the stdlib's test split in the model's tokens,
    :func:`circuits_llm.text.corpus.evaluation_prompts`) with the autoregressive decoder and both
    speculative decoders, greedy and sampling, with fixed seeds, the decoders interleaved prompt by
@@ -29,7 +31,7 @@ evaluation, Appendix F), so every decoder does the same work.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,8 +42,18 @@ import torch
 from circuits.files import atomic_write_text
 from circuits_llm.app import report as rep
 from circuits_llm.app.compare import compare_decoders
+from circuits_llm.app.demo_blocks import (
+    ReadyBlock,
+    block_decoders,
+    block_window,
+    describe_block,
+    find_blocks,
+    load_blocks,
+)
 from circuits_llm.app.head_cache import HeadOrigin, obtain_head
 from circuits_llm.app.report import DecodeMode, TokenUnit
+from circuits_llm.app.verify_packing import pack_for_verify_blocks
+from circuits_llm.heads.shipped import BLOCK_KIND, block_kind
 from circuits_llm.runtime.devices import describe_device
 from circuits_llm.runtime.timing import machine_info
 from circuits_llm.text.chat_requests import PromptSet, evaluation_chat_prompts
@@ -76,6 +88,9 @@ class ComparisonConfig:
 
     Attributes:
         heads: head architectures to train and compare (besides autoregressive decoding).
+        blocks: shipped draft blocks to compare too, by kind (``block``: recursive drafting;
+            ``btree-block``: a BTree head on the block's output); a model none ships for gets
+            no such row (:mod:`circuits_llm.app.demo_blocks`). Never trained here.
         window: MTP window ``n`` of every head.
         rank: circuit rank of non-FF heads (FF heads always have rank 1).
         variant: ``"lean"`` or ``"full"`` head parameterisation.
@@ -135,6 +150,7 @@ class ComparisonConfig:
     """
 
     heads: tuple[str, ...] = ("ff", "btree")
+    blocks: tuple[str, ...] = ()
     window: int = 16
     rank: int = 32
     variant: str = "lean"
@@ -172,12 +188,16 @@ class ComparisonConfig:
         in, none when it is unsure of the first (a verify block costs more per token on a CPU:
         docs/results.md section 6, "What any draft length can buy"), drafts mixed with a copy of the
         context (``lookup``: SmolLM2 repeats itself, greedy above all), linear weights packed for
-        verify blocks on a CPU (``packed_linear``); quick: fewer prompts and tokens,
-        and (when no head is cached or shipped) a shorter training."""
+        verify blocks on a CPU (``packed_linear``), and the shipped draft blocks (issue 44:
+        the recursive block and the BTree head on it), on 4 prompts of 128 tokens (6 before the
+        blocks: five decoders on 6 prompts would take about 17.5 minutes on the project's CPU by
+        per-decoder timings, over the demo's 15); quick: fewer prompts and tokens, and (when no
+        head is cached or shipped) a shorter training."""
         full = cls(window=8, rank=16, draft_vocab=4096, token_input=("ff", "btree"),
+                   blocks=(BLOCK_KIND, block_kind("btree")),
                    draft_confidence=0.3, draft_minimum=0, packed_linear=True,
                    lookup=(0.1, 0.3, 0.5), train_seq_len=128, train_batch_size=8,
-                   self_distill=True, prompts=6, new_tokens=128)
+                   self_distill=True, prompts=4, new_tokens=128)
         if quick:
             return replace(full, train_steps=400, train_seconds=90.0, distill_samples=64,
                            prompts=2, new_tokens=64)
@@ -250,41 +270,21 @@ def resolve_model(spec: str | Path) -> str | Path:
     return found
 
 
-def pack_for_verify_blocks(model: torch.nn.Module, window: int, device: torch.device) -> str:
-    """Store ``model``'s linear weights in the layout whose one-token step is fastest on this
-    machine (:func:`~circuits_llm.backbone.weight_layout.tune_weight_layout`), then pack them for
-    verify blocks of up to ``window`` tokens on a CPU (before any backbone wraps the model), with
-    the backend and smallest block measured fastest in that layout
-    (:func:`~circuits_llm.backbone.packed_linear.tune_linear_packing`); returns a line saying what
-    was done. Every decoder on the model, the autoregressive baseline included, runs on both."""
-    from circuits_llm.backbone.packed_linear import pack_linear_layers, tune_linear_packing
-    from circuits_llm.backbone.weight_layout import tune_weight_layout
-    # measured here (rather than inside pack_linear_layers) to log what was measured
-    if device.type != "cpu":
-        return f"linear layers: unchanged on {device.type} (weight packing is for the CPU)"
-    layout = tune_weight_layout(model)
-    stored = "" if layout is None else f"{layout.describe()}; "
-    choice = tune_linear_packing(model, window)
-    if choice is None:
-        return f"linear layers: {stored}torch's default kernels (no packed GEMM in this torch, " \
-               "or none faster than F.linear on this machine)"
-    swapped = pack_linear_layers(model, rows=window, min_rows=choice.min_rows,
-                                 backend=choice.backend)
-    return f"linear layers: {stored}{swapped} packed with {choice.describe()}"
-
-
 def _unit(loaded: Any) -> TokenUnit:
     from circuits_llm.text.tokens import TokenizerKind
     kind = getattr(loaded.tokenizer, "kind", TokenizerKind.BYTES)
     return TokenUnit.BYTES if kind is TokenizerKind.BYTES else TokenUnit.TOKENS
 
 
-def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig) -> dict[str, Any]:
-    """The autoregressive decoder and one speculative decoder per head, eager or all compiled.
+def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig,
+              blocks: Sequence[ReadyBlock] = (), log: Callable[[str], None] = print
+              ) -> dict[str, Any]:
+    """The autoregressive decoder and one speculative decoder per head and per draft block,
+    eager or all compiled.
 
     Compiled, every decoder whose head reads the final hidden state shares one backbone with a
-    static cache compiled for blocks of 1 and ``window`` tokens (the AR baseline included), so
-    both sides of every speed-up are compiled alike.
+    static cache compiled for blocks of 1 and ``window`` tokens (and each draft block's window;
+    the AR baseline included), so both sides of every speed-up are compiled alike.
     """
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
@@ -298,13 +298,19 @@ def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig) -> dict[s
         decoders.update({h.name: SpeculativeDecoder(h.backbone, h.head, draft_length=rule,
                                                     lookup=lookup, compile=config.compile_rounds)
                          for h in heads})
+        decoders.update(block_decoders(blocks, lambda: HFBackbone(loaded.model),
+                                       draft_length=rule, lookup=lookup,
+                                       compile=config.compile_rounds, log=log))
         return decoders
-    shared = HFBackbone(loaded.model, compile=True, compiled_lengths=sorted({1, config.window}))
+    lengths = sorted({1, config.window, *(b.drafter.window for b in blocks)})
+    shared = HFBackbone(loaded.model, compile=True, compiled_lengths=lengths)
     decoders = {rep.BASELINE: AutoregressiveDecoder(shared)}
     for h in heads:
         backbone = shared if h.backbone.lora_layers == 0 else h.backbone
         decoders[h.name] = SpeculativeDecoder(backbone, h.head, compile=True, draft_length=rule,
                                               lookup=lookup)
+    decoders.update(block_decoders(blocks, lambda: shared, draft_length=rule, lookup=lookup,
+                                   compile=True, log=log))
     return decoders
 
 
@@ -339,7 +345,9 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
     unit = _unit(loaded)
     log(f"model: {loaded.source} ({sum(p.numel() for p in loaded.model.parameters()):,} "
         f"parameters, fingerprint {loaded.fingerprint[:12]}) on {describe_device(device)}")
-    linear = pack_for_verify_blocks(loaded.model, config.window, device) \
+    found_blocks = find_blocks(loaded.model, config.blocks, shipped, log)
+    widest = max([config.window, *(block_window(b) for b in found_blocks)])
+    linear = pack_for_verify_blocks(loaded.model, widest, device) \
         if config.packed_linear else "linear layers: torch's default kernels (--plain-linear)"
     log(linear)
     try:
@@ -356,7 +364,10 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
                             progress, shipped=shipped)
         log(_describe_head(ready, unit))
         heads.append(ready)
-    decoders = _decoders(loaded, heads, config)
+    blocks = load_blocks(found_blocks, loaded)
+    for block in blocks:
+        log(describe_block(block, unit))
+    decoders = _decoders(loaded, heads, config, blocks, log)
     comparison = compare_decoders(decoders, prompts, config.new_tokens, config.temperature,
                                   config.seed, progress, config.batch_size)
     rows = comparison.rows()
@@ -392,7 +403,8 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
         "model": loaded.describe(), "config": asdict(config),
         # the kernels the timings ran on belong with the machine they were measured on
         "machine": {**machine_info(device), "linear_layers": linear},
-        "heads": {h.name: h.record for h in heads}, "rows": [row.to_json() for row in rows],
+        "heads": {**{h.name: h.record for h in heads}, **{b.name: b.record for b in blocks}},
+        "rows": [row.to_json() for row in rows],
         "unit": unit.value, "analysis": [item.to_json() for item in analysis],
         "targets": targets, "greedy_identical": identical, "sample": sample, "plot": PLOT_FILE,
         "wall_s": time.perf_counter() - start,

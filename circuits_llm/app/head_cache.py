@@ -23,13 +23,19 @@ and are read in place, with no step before:
 * :func:`shipped_head` (``circuits_llm.shipped_head("smollm2", "btree")``): the shipped head of
   a model (by its ``--model`` name, a loaded model, or anything ``load_model`` reads).
 
+**Shipped draft blocks** (issue 44: the recursive block, kind ``block``, and a circuit head on
+it, ``btree-block``) are found the same way, by kind and model identity
+(:func:`find_shipped_drafter`), and loaded on the model (:func:`shipped_drafter`,
+``circuits_llm.shipped_drafter(loaded, "block")``: the drafter ``SpeculativeDecoder`` takes).
+
 ``python -m circuits_llm.app.head_cache ship RUN_DIR --name NAME --model MODEL`` ships a finished
-run (:func:`ship_head`; ``scripts/train_demo_heads.sh`` does it for the demo's heads).
+run (:mod:`circuits_llm.app.shipping`: a head, or a ``--draft-block`` run's block, with
+``--circuit-head DIR`` a head trained on it; ``scripts/train_demo_heads.sh`` ships the demo's
+heads).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -44,23 +50,41 @@ from typing import Any
 import torch
 
 from circuits_llm.app.report import jsonable, write_json
+from circuits_llm.app.shipping import (
+    BLOCK_LAYOUTS,
+    NoHeadError,
+    find_shipped_drafter,
+    load_shipped_drafter,
+    main,
+    no_drafter_message,
+    ship_block,
+    ship_head,
+    shipped_drafter,
+)
 from circuits_llm.heads import MTPHead
 from circuits_llm.heads.shipped import (
     SHIPPED_DIR,
     SHIPPED_MANIFEST,
     ShippedHead,
     ShippedHeadError,
+    ShippedLayout,
+    is_block_kind,
     read_shipped_head,
     shipped_heads,
-    write_shipped_head,
 )
 from circuits_llm.text.models import LoadedModel, backbone_identity, config_fingerprint
 
-__all__ = ["HEAD_MARKER", "SHIPPED_DIR", "SHIPPED_MANIFEST", "STRUCTURE_FIELDS", "FoundHead",
+__all__ = ["BLOCK_LAYOUTS", "HEAD_LAYOUTS", "HEAD_MARKER", "SHIPPED_DIR", "SHIPPED_MANIFEST",
+           "STRUCTURE_FIELDS", "FoundHead",
            "HeadOrigin", "NoHeadError", "ReadyHead", "ShippedHead", "ShippedHeadError",
            "clear_entry", "default_cache_dir", "find_cached_head", "find_head",
-           "find_shipped_head", "head_dir", "no_head_message", "obtain_head", "read_shipped_head",
-           "ship_head", "shipped_head", "shipped_heads"]
+           "find_shipped_drafter", "find_shipped_head", "head_dir", "load_shipped_drafter", "main",
+           "no_drafter_message", "no_head_message", "obtain_head", "read_shipped_head",
+           "ship_block", "ship_head", "shipped_drafter", "shipped_head", "shipped_heads"]
+
+#: The layouts that ship a circuit head on the model's hidden state (the draft blocks':
+#: :data:`BLOCK_LAYOUTS`).
+HEAD_LAYOUTS = (ShippedLayout.HEAD,)
 
 #: The file whose presence marks a complete cache entry.
 HEAD_MARKER = "demo_head.json"
@@ -76,10 +100,6 @@ class HeadOrigin(Enum):
     CACHE = "cache"
     SHIPPED = "shipped"
     TRAINED = "trained"
-
-
-class NoHeadError(ShippedHeadError):
-    """No head of the kind asked for serves the model: none shipped, none trained by the user."""
 
 
 def default_cache_dir() -> Path:
@@ -128,7 +148,7 @@ def _lm(model: Any) -> Any:
 def find_shipped_head(model: Any, training: Any, root: Path | None = None) -> ShippedHead | None:
     """A shipped head trained for ``model`` with the structure of ``training``, or None."""
     from circuits_llm.training import HeadTrainingConfig
-    candidates = shipped_heads(root)
+    candidates = shipped_heads(root, HEAD_LAYOUTS)
     if not candidates:
         return None
     identity, wanted = backbone_identity(_lm(model)), jsonable(training)
@@ -168,7 +188,11 @@ def shipped_head(model: str | Path | Any, kind: str, *, root: Path | None = None
         NoHeadError: no ``kind`` head ships for this model (the message names ``train-head``).
         ShippedHeadError: a shipped head's files are damaged.
     """
-    heads, kind = shipped_heads(root), str(kind).lower()
+    kind = str(kind).lower()
+    if is_block_kind(kind):
+        raise NoHeadError(f"{kind!r} names a draft block, which drafts with the model's own parts: "
+                          f"load it with circuits_llm.shipped_drafter(model, {kind!r})")
+    heads = shipped_heads(root, HEAD_LAYOUTS)
     then = "load it with circuits_llm.training.load_trained_head(DIR, model)"
     if isinstance(model, (str, Path)):
         named = [h for h in heads if h.model_name == str(model)]
@@ -212,7 +236,7 @@ def find_head(loaded: LoadedModel, kind: str, cache: Path, preferred: list[Any],
     run_dir = find_cached_head(cache, loaded.fingerprint, kind, preferred)
     if run_dir is not None:
         return FoundHead(kind, run_dir=run_dir)
-    heads = shipped_heads(root)
+    heads = shipped_heads(root, HEAD_LAYOUTS)
     identity = backbone_identity(loaded.model)
     found = next((h for h in heads if h.kind == kind and h.trained_for(identity)), None)
     if found is None:
@@ -336,61 +360,6 @@ def find_cached_head(cache: Path, fingerprint: str, architecture: str,
     return found[-1].parent if found else None
 
 
-def ship_head(run_dir: Path, out: Path, model_name: str) -> ShippedHead:
-    """Write the exported head of a finished ``train-head`` run as a shipped head in ``out``
-    (:func:`circuits_llm.heads.shipped.write_shipped_head`), serving ``model_name``.
-
-    Raises:
-        ShippedHeadError: the run has no exported head, trained LoRA layers (only heads that
-            read the final hidden state are shipped), or ``out`` holds something else.
-        circuits_llm.runtime.checkpoint.CheckpointError: the run's record is missing or corrupt.
-    """
-    from circuits_llm.heads import HeadConfigError, load_head
-    from circuits_llm.training import read_record
-    from circuits_llm.training.results import HEAD_DIR
-    run_dir, out = Path(run_dir), Path(out)
-    record = read_record(run_dir)
-    if int(record["config"].get("lora_layers", 0)):
-        raise ShippedHeadError(f"cannot ship {run_dir}: it trained LoRA layers, and only heads "
-                               "that read the final hidden state (--lora-layers 0) are shipped")
-    identity = record.get("model_fingerprint")
-    if not isinstance(identity, dict):
-        raise ShippedHeadError(f"cannot ship {run_dir}: its record names no model identity")
-    try:
-        head = load_head(run_dir / HEAD_DIR)
-    except HeadConfigError as error:
-        raise ShippedHeadError(f"cannot ship {run_dir}: {error}") from None
-    return write_shipped_head(head, out, model_name=model_name, model_identity=identity,
-                              record=record)
-
-
 # ---------------------------------------------------------------------------- command line
-def main(argv: list[str] | None = None) -> int:
-    """``python -m circuits_llm.app.head_cache ship RUN_DIR --name NAME --model MODEL
-    [--root DIR]``."""
-    parser = argparse.ArgumentParser(prog="python -m circuits_llm.app.head_cache",
-                                     description="ship a trained head inside the package")
-    sub = parser.add_subparsers(dest="command", required=True)
-    ship = sub.add_parser("ship", help="write a finished train-head run as a shipped head")
-    ship.add_argument("run_dir", type=Path)
-    ship.add_argument("--name", required=True, help="the shipped head's directory name")
-    ship.add_argument("--model", required=True,
-                      help="the --model name of the model the head was trained for (e.g. "
-                           "smollm2): shipped_head(MODEL, kind) finds the head by it")
-    ship.add_argument("--root", type=Path, default=SHIPPED_DIR,
-                      help=f"shipped-heads directory (default: {SHIPPED_DIR})")
-    args = parser.parse_args(argv)
-    from circuits_llm.runtime.checkpoint import CheckpointError
-    try:
-        shipped = ship_head(args.run_dir, args.root / args.name, args.model)
-    except (ShippedHeadError, CheckpointError) as error:
-        print(f"{parser.prog} ship: error: {error}", file=sys.stderr)
-        return 2
-    size = sum(p.stat().st_size for p in shipped.directory.iterdir())
-    print(f"shipped {args.run_dir} as {shipped.directory} ({size / 1e6:.1f} MB, "
-          f"{shipped.manifest['parameters']:,} parameters)")
-    return 0
-
-
 if __name__ == "__main__":
     sys.exit(main())

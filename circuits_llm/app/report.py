@@ -35,6 +35,7 @@ from typing import Any
 
 from circuits.files import atomic_write_json
 from circuits_llm.app.round_analysis import (
+    BLOCK_TARGETS,
     TARGETS,
     Bound,
     RoundAnalysis,
@@ -58,7 +59,8 @@ from circuits_llm.app.rows import (
 from circuits_llm.app.tradeoff_plot import iso_levels, write_tradeoff_plot
 
 __all__ = [
-    "BASELINE", "INDEPENDENT", "REPORT_KIND", "SCHEMA_VERSION", "TARGETS", "Bound", "DecodeMode",
+    "BASELINE", "BLOCK_TARGETS", "INDEPENDENT", "REPORT_KIND", "SCHEMA_VERSION", "TARGETS",
+    "Bound", "DecodeMode",
     "DecoderRow", "ReportError", "RoundAnalysis", "Target", "TokenUnit", "analyse", "check_report",
     "check_row", "check_targets", "format_analysis", "format_table", "iso_levels", "jsonable",
     "load_report", "with_speedups", "write_json", "write_tradeoff_plot",

@@ -71,6 +71,12 @@ class RaggedBackbone(Protocol):
         hidden states (B, m, d) at the new positions."""
         ...
 
+    def prefill_features(self, row: int) -> Tensor:
+        """(1, n, d) the draft hidden states of row ``row``'s ``n`` prefilled tokens (what a
+        prefill of that row alone gives; read by a draft block's cache), valid between
+        :meth:`start` and the next :meth:`extend` or :meth:`select`."""
+        ...
+
     def keep(self, counts: Sequence[int]) -> None:
         """After :meth:`extend` of ``m`` tokens: row ``b`` keeps the first ``counts[b]``
         (``1 <= counts[b] <= m``) and drops the rest (rollback per row)."""
@@ -168,6 +174,8 @@ class RaggedCache:
         self._block = 0
         #: how many compactions ran (the tests read it)
         self.compactions = 0
+        #: the last start's draft hidden states (B, W, d), left-padded, until the next extend
+        self._prefill: Tensor | None = None
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -194,16 +202,30 @@ class RaggedCache:
         self.positions = self.mask.sum(1)
         self._block = 0
         hidden = torch.zeros(batch, self.hidden_size, device=self.device)
+        self._prefill = hidden[:, None][:, :0]  # (B, 0, d): no row has a prefilled token
         if width == 0:
             return hidden
         positions = (self.mask.long().cumsum(1) - 1).clamp(min=0)
         step = backbone.extend_rows(ids.to(self.device), self.mask.long(), positions)
         self._check_layers()
+        self._prefill = step.draft_hidden
         last = step.draft_hidden[:, -1]
         return torch.where(self.positions[:, None] > 0, last, torch.zeros_like(last))
 
+    def prefill_features(self, row: int) -> Tensor:
+        """Row ``row``'s slice of the last :meth:`start`'s draft hidden states (see
+        :class:`RaggedBackbone`): its tokens sit at the right end (left padding)."""
+        if self._prefill is None:
+            raise ValueError("prefill_features is read between start() and the first extend() "
+                             "or select(): start the batch again")
+        if not 0 <= row < self.batch_size:
+            raise ValueError(f"row {row} is not in the batch of {self.batch_size}")
+        width, count = self._prefill.shape[1], int(self.positions[row])
+        return self._prefill[row:row + 1, width - count:]
+
     def extend(self, tokens: Tensor) -> BackboneStep:
         batch, m = tokens.shape
+        self._prefill = None
         if batch != self.batch_size:
             raise UnsupportedModelError(f"tokens has {batch} rows but the batch holds "
                                         f"{self.batch_size}")
@@ -233,6 +255,7 @@ class RaggedCache:
         self._tidy()
 
     def select(self, rows: Sequence[int]) -> None:
+        self._prefill = None
         index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)

@@ -26,9 +26,15 @@ exactness per row is the single-prompt proof (docs/decoder-exactness.md). Random
 generator for the batch (the rows draw from it in turn each round) or one per row, which makes
 each row draw exactly what the single-prompt decoder draws from that generator.
 
+A draft block (a :class:`~circuits_llm.protocols.ContextDrafter` with a KV cache of its own) keeps
+one state per row (:func:`~circuits_llm.draft_block.batch.block_rows`): each row's block cache is
+begun on its own prefill features (``RaggedBackbone.prefill_features``), drafts from its own state
+(every row's block step in one block call) and follows its own kept positions' features, exactly
+as the single-prompt decoder's does; a row that leaves drops it.
+
 In batch mode, options whose state is tied to a single sequence raise
-:class:`~circuits_llm.decoding.warping.DecoderError` saying so (a constraint, a draft block,
-forced runs): decode those prompts one at a time.
+:class:`~circuits_llm.decoding.warping.DecoderError` saying so (a constraint, forced runs): decode
+those prompts one at a time.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from circuits_llm.backbone.ragged_cache import ragged_backbone
 from circuits_llm.decoding.acceptance import Transition, transition
 from circuits_llm.decoding.batch_draft import draft_rows, rows_per_pass
 from circuits_llm.decoding.constraint_path import round_component
+from circuits_llm.decoding.context_drafting import kept_pairs, prefill_pairs
 from circuits_llm.decoding.lookup import LookupIndex
 from circuits_llm.decoding.metrics import (
     BatchResult,
@@ -97,6 +104,9 @@ class RowState:
         hidden: (1, d) the draft hidden state at the last cached token (``None``: none yet, a
             one-token prompt).
         lookup: its output indexed for the context copy (with a ``ContextLookup``).
+        context: its own state of the decoder's context drafter (a draft block's cache:
+            :class:`~circuits_llm.draft_block.batch.PaddedRow`), ``None`` without one or once the
+            row has left the batch.
     """
 
     index: int
@@ -106,6 +116,7 @@ class RowState:
     c: int
     hidden: Tensor | None
     lookup: LookupIndex | None = None
+    context: Any = None
     output: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
 
@@ -127,7 +138,13 @@ class RowDraft:
 
 
 class BatchDrafter(Protocol):
-    """Drafts and accepts the speculative rows of a batch round (:class:`SpeculativeRows`)."""
+    """Drafts and accepts the speculative rows of a batch round (:class:`SpeculativeRows`).
+
+    Attributes:
+        reads_prefill: whether :meth:`start` needs each row's prefill features (a draft block).
+    """
+
+    reads_prefill: bool
 
     def draft(self, rows: list[RowState], config: SamplingConfig) -> list[RowDraft]:
         """The drafts of ``rows`` (each with a hidden state), in order."""
@@ -139,8 +156,17 @@ class BatchDrafter(Protocol):
         round's kind, drafts verified, drafts accepted)."""
         ...
 
-    def start(self, prompt: list[int]) -> LookupIndex | None:
-        """A row's per-sequence drafting state (the context copy's index), or ``None``."""
+    def start(self, row: RowState, features: Tensor | None) -> None:
+        """Give ``row`` its per-sequence drafting state: the context copy's index
+        (``row.lookup``), a draft block's cache (``row.context``, begun on ``features`` (1, n, d)
+        the draft hidden states of the prefill of ``row.prompt[:-1]``; ``None`` for a one-token
+        prompt, or when :attr:`reads_prefill` is false)."""
+        ...
+
+    def follow(self, row: RowState, features: Tensor, move: Transition) -> None:
+        """After ``row``'s round: its drafting state follows what it kept (``move``;
+        ``features`` (1, move.keep - 1, d) the verify forward's draft hidden states of the kept
+        block's positions but the last)."""
         ...
 
 
@@ -148,34 +174,50 @@ class SpeculativeRows:
     """The speculative decoder's round around one batched backbone call: the drafts of every
     drafting row in one pass (exact per row: :mod:`~circuits_llm.decoding.batch_draft`), then
     the accept program, the copy component and the transition of the single-prompt round
-    (:class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`) on each row's values.
+    (:class:`~circuits_llm.decoding.decoder.SpeculativeDecoder`) on each row's values. With a
+    draft block, each row drafts from its own block state
+    (:func:`~circuits_llm.draft_block.batch.block_rows`).
 
     Args:
-        decoder: the speculative decoder (its programs, policy, lookup and error reports).
+        decoder: the speculative decoder (its programs, policy, lookup, context drafter and error
+            reports).
 
     Raises:
-        DecoderError: the decoder drafts with a draft block (a drafter with a KV cache of its
-            own, per sequence): not supported for a batch yet.
+        DecoderError: the decoder's context drafter is not a draft block's (whose state this
+            batch cannot give each row).
     """
 
     def __init__(self, decoder: Any) -> None:
-        if getattr(decoder, "_context_drafter", None) is not None:
-            raise DecoderError(
-                "a draft block (ContextDrafter) keeps one sequence's KV cache: a batch of prompts "
-                "is not supported with it yet; decode its prompts one at a time, or use a circuit "
-                "head")
         self.decoder = decoder
+        drafter = getattr(decoder, "_context_drafter", None)
+        #: each row's draft-block state (with a context drafter), else None
+        self.block_rows: Any = None
+        if drafter is not None:
+            # imported here: the draft block's room builds on this floor, not the other way
+            from circuits_llm.draft_block.batch import block_rows
+            self.block_rows = block_rows(drafter)
+        self.reads_prefill = self.block_rows is not None
 
-    def start(self, prompt: list[int]) -> LookupIndex | None:
+    def start(self, row: RowState, features: Tensor | None) -> None:
         lookup = self.decoder.lookup
-        return None if lookup is None else LookupIndex(lookup.max_ngram, prompt)
+        row.lookup = None if lookup is None else LookupIndex(lookup.max_ngram, row.prompt)
+        if self.block_rows is not None:  # the single-prompt decoder's begin: the prefill's pairs
+            row.context = self.block_rows.start(*prefill_pairs(
+                row.prompt, features, self.decoder.backbone.hidden_size, self.decoder.device))
+
+    def follow(self, row: RowState, features: Tensor, move: Transition) -> None:
+        if row.lookup is not None:
+            row.lookup.extend(move.emitted)
+        if row.context is not None:  # the kept positions' pairs, from this round's verify
+            self.block_rows.follow(row.context, *kept_pairs(features, move))
 
     def draft(self, rows: list[RowState], config: SamplingConfig) -> list[RowDraft]:
         """Every row's draft in one pass (:func:`~circuits_llm.decoding.batch_draft.draft_rows`:
         one head forward and one set of circuit passes for the rows; on a CPU in passes of at
         most :func:`~circuits_llm.decoding.batch_draft.rows_per_pass` rows, which keep a big
         head's outputs within the caches), each row's uniforms drawn from its generator in row
-        order, as the single-prompt round draws them."""
+        order, as the single-prompt round draws them. A draft block drafts each row from its
+        own state (:meth:`~circuits_llm.draft_block.batch.PaddedBlockRows.draft`)."""
         if not rows:
             return []
         decoder = self.decoder
@@ -183,24 +225,36 @@ class SpeculativeRows:
         device = decoder.device
         uniforms = None if config.greedy else [program.draw_uniforms(row.generator)
                                                for row in rows]
-        components = None
-        if decoder.lookup is not None:
-            components = [round_component(decoder.lookup, row.lookup, None, -1, decoder._position,
-                                          program.window - 1, device, False) for row in rows]
         hidden = torch.cat([row.hidden for row in rows])  # type: ignore[misc]
         c = torch.tensor([row.c for row in rows], device=device)
         tapes = None if uniforms is None else torch.stack(uniforms)
+        if self.block_rows is not None:
+            drafts = self.block_rows.draft(program, [row.context for row in rows], hidden, c,
+                                           tapes)
+        else:
+            drafts = self._draft_heads(program, rows, hidden, c, tapes)
+        lengths = [program.static_length] * len(rows) if program.static_length is not None \
+            else torch.stack([draft.length for draft in drafts]).tolist()  # one host read
+        return [RowDraft(program, draft, None if uniforms is None else uniforms[b], lengths[b])
+                for b, draft in enumerate(drafts)]
+
+    def _draft_heads(self, program: RoundProgram, rows: list[RowState], hidden: Tensor, c: Tensor,
+                     tapes: Tensor | None) -> list[DraftResult]:
+        """The circuit head's drafts of ``rows`` in passes of at most ``rows_per_pass`` rows."""
+        decoder = self.decoder
+        components = None
+        if decoder.lookup is not None:
+            components = [round_component(decoder.lookup, row.lookup, None, -1, decoder._position,
+                                          program.window - 1, decoder.device, False)
+                          for row in rows]
         step = rows_per_pass(program) or len(rows)  # a CPU pass stays within its caches
-        drafts = []
+        drafts: list[DraftResult] = []
         for start in range(0, len(rows), step):
             part = slice(start, start + step)
             drafts += draft_rows(program, hidden[part], c[part],
                                  None if tapes is None else tapes[part],
                                  None if components is None else components[part])
-        lengths = [program.static_length] * len(rows) if program.static_length is not None \
-            else torch.stack([draft.length for draft in drafts]).tolist()  # one host read
-        return [RowDraft(program, draft, None if uniforms is None else uniforms[b], lengths[b])
-                for b, draft in enumerate(drafts)]
+        return drafts
 
     def accept(self, row: RowState, draft: RowDraft, step: BackboneStep,
                config: SamplingConfig) -> tuple[Transition, RoundKind, int, int]:
@@ -240,10 +294,14 @@ def decode_batch(decoder: BatchDecoder, drafter: BatchDrafter | None, prompts: l
     prefill_calls = int(any(len(prompt) > 1 for prompt in prompts))
     prefill_s = decoder._clock() - start if prefill_calls else 0.0
     rows = [RowState(b, prompt, condition.scanner(prompt), generator, prompt[-1],
-                     hidden[b:b + 1] if len(prompt) > 1 else None,
-                     None if drafter is None else drafter.start(prompt))
+                     hidden[b:b + 1] if len(prompt) > 1 else None)
             for b, (prompt, condition, generator) in
             enumerate(zip(prompts, conditions, generators, strict=True))]
+    if drafter is not None:
+        features = _prefill_features(backbone) if drafter.reads_prefill else None
+        for row in rows:
+            drafter.start(row, None if features is None or len(row.prompt) < 2
+                          else features(row.index))
     results: dict[int, DecodeResult] = {}
     active = _finish(rows, results, prefill_s)
     if len(active) < len(rows):
@@ -285,8 +343,8 @@ def decode_batch(decoder: BatchDecoder, drafter: BatchDrafter | None, prompts: l
             row.hidden = step.draft_hidden[b:b + 1, move.keep - 1]
             row.c = move.next_token
             row.output.extend(move.emitted)
-            if row.lookup is not None:
-                row.lookup.extend(move.emitted)
+            if drafter is not None:
+                drafter.follow(row, step.draft_hidden[b:b + 1, :move.keep - 1], move)
             row.rounds.append(RoundStats(kind, drafted, accepted, len(move.emitted),
                                          draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2,
                                          total_s=t3 - t0))
@@ -302,16 +360,28 @@ def decode_batch(decoder: BatchDecoder, drafter: BatchDrafter | None, prompts: l
                        summarize_batch(ordered, batch_rounds, prefill_calls, prefill_s))
 
 
+def _prefill_features(backbone: Any) -> Any:
+    """The backbone's ``prefill_features`` (row -> (1, n, d)), or one clear error without it."""
+    features = getattr(backbone, "prefill_features", None)
+    if not callable(features):
+        raise DecoderError(
+            f"a draft block in a batch begins each row's cache with its prefill features, which "
+            f"{type(backbone).__name__} does not keep (no prefill_features method): decode these "
+            f"prompts one at a time")
+    return features
+
+
 def _finish(rows: list[RowState], results: dict[int, DecodeResult], prefill_s: float
             ) -> list[RowState]:
     """Record the result of every row whose stop condition is met (its output cut where
-    ``generate`` stops); the rows still decoding, in order."""
+    ``generate`` stops) and drop its drafting state; the rows still decoding, in order."""
     active = []
     for row in rows:
         keep = row.scanner.keep(row.output)
         if keep is None:
             active.append(row)
             continue
+        row.context, row.lookup = None, None  # a row that leaves drops its cache
         output = row.output[:keep]
         calls = int(len(row.prompt) > 1)
         results[row.index] = DecodeResult(

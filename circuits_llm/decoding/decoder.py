@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from circuits_llm.constraints import TokenAutomaton
+from circuits_llm.decoding import context_drafting
 from circuits_llm.decoding.acceptance import CorrectionPolicy, Transition, transition
 from circuits_llm.decoding.autoregressive import VERIFIER_LOGITS, AutoregressiveDecoder, now
 from circuits_llm.decoding.backbones import as_backbone
@@ -98,8 +99,12 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         head: a :class:`DraftHead` whose circuit spans ``window >= 2`` variables, or a
             :class:`~circuits_llm.protocols.ContextDrafter` (a draft block's
             :class:`~circuits_llm.draft_block.BlockDrafter`: recursive drafts from a decoder layer
-            with its own KV cache, fed the features of the positions each round keeps; it takes
-            neither ``lookup`` nor a ``draft_length`` rule, and drafts freely under a constraint).
+            with its own KV cache, fed the features of the positions each round keeps; or
+            :class:`~circuits_llm.draft_block.BlockCircuitDrafter`: a circuit head on the block's
+            output). One with ``decoding_problem(lookup, draft_length)`` takes the ``lookup`` and
+            rule it accepts (its ``round_program`` gets them); under ``PRODUCT`` drafting its
+            round program drafts from the product when a :class:`RoundProgram`, by its own
+            ``constrained_draft`` when it has one, else freely.
         lora_layers: only used when ``backbone`` is an HF model.
         policy: keep :attr:`CorrectionPolicy.EXACT`; the other value is a biased negative control.
         draft_length: how many of the window's ``n - 1`` drafts a round verifies
@@ -171,7 +176,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             raise DecoderError(f"the head reads hidden states of size {head.hidden_size} but the "
                                f"backbone's are {self.backbone.hidden_size}")
         if self._context_drafter is not None:
-            self._check_drafter(head.window, lookup, rule)
+            context_drafting.check_drafter(self._context_drafter, lookup, rule)
         else:
             self._check_circuit(head)  # type: ignore[arg-type]
         if not isinstance(policy, CorrectionPolicy):
@@ -197,10 +202,10 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         self._steps: dict[TokenAutomaton, ConstraintSteps] = {}
         #: model id -> draft-vocabulary index (-1 outside it) on the host, for the copy component
         self._position: list[int] | None = None
-        if lookup is not None and self._context_drafter is None \
-                and head.draft_tokens is not None:  # type: ignore[union-attr]
+        draft_tokens = getattr(head, "draft_tokens", None)
+        if lookup is not None and draft_tokens is not None:
             self._position = [-1] * head.vocab_size
-            for index, token in enumerate(head.draft_tokens.tolist()):  # type: ignore[attr-defined]
+            for index, token in enumerate(draft_tokens.tolist()):
                 self._position[token] = index
         self.constrained_drafting = constrained_drafting
         #: product drafters, one per constraint automaton (built at its first round)
@@ -227,22 +232,11 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             raise DecoderError(f"every circuit variable must have {draft_size} categories (the "
                                f"head's draft vocabulary), got {list(circuit.category_sizes)}")
 
-    @staticmethod
-    def _check_drafter(window: int, lookup: ContextLookup | None, rule: DraftLength) -> None:
-        """A context drafter drafts ``window - 1 >= 1`` tokens, without a copy or length rule."""
-        if window < 2:
-            raise DecoderError(f"the drafter's window must be >= 2 (the known next token and at "
-                               f"least one draft), got {window}")
-        if lookup is not None or rule != DraftLength.fixed():
-            raise DecoderError("a ContextDrafter (draft block) takes neither lookup nor a "
-                               "draft_length rule: it verifies all of its drafts")
-
     @property
     def device(self) -> torch.device:
         """The head's circuit device (drafts and conditionals live there), or the drafter's."""
         if self._context_drafter is not None:
-            device = getattr(self._context_drafter, "device", None)
-            return device if isinstance(device, torch.device) else torch.device("cpu")
+            return context_drafting.drafter_device(self._context_drafter)
         return self.head.circuit.device  # type: ignore[union-attr]
 
     def _program(self, config: SamplingConfig) -> RoundProgram:
@@ -250,9 +244,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         configuration, since warping and greedy/sampling are part of the program."""
         program = self._programs.get(config)
         if program is None and self._context_drafter is not None:
-            drafter_program = self._context_drafter.round_program(
-                config, compile=self.compile, compiler=self._compiler)
-            program = self._programs[config] = drafter_program  # type: ignore[assignment]
+            program = self._programs[config] = context_drafting.drafter_program(
+                self._context_drafter, config, compile=self.compile, compiler=self._compiler,
+                draft_length=self.draft_length, lookup=self.lookup)
         if program is None:
             program = self._programs[config] = RoundProgram(
                 self.head, config, compile=self.compile, compiler=self._compiler,
@@ -261,15 +255,17 @@ class SpeculativeDecoder(AutoregressiveDecoder):
 
     def _batch_drafter(self) -> SpeculativeRows:
         """A batch of prompts drafts row by row with this decoder's round
-        (:mod:`~circuits_llm.decoding.batch`)."""
+        (:mod:`~circuits_llm.decoding.batch`); a draft block's rows take no copy or rule yet."""
+        if self._context_drafter is not None:
+            context_drafting.check_batch_options(self.lookup, self.draft_length)
         return SpeculativeRows(self)
 
-    def _drafter(self, tracker: ConstraintTracker) -> ProductDrafter:
-        """The product drafter of the tracker's automaton (built once per automaton)."""
+    def _drafter(self, tracker: ConstraintTracker, head: DraftHead) -> ProductDrafter:
+        """The product drafter of ``head`` (the round program's) and the tracker's automaton
+        (built once per automaton)."""
         drafter = self._drafters.get(tracker.automaton)
         if drafter is None:
-            drafter = self._drafters[tracker.automaton] = ProductDrafter(self.head,
-                                                                         tracker.automaton)
+            drafter = self._drafters[tracker.automaton] = ProductDrafter(head, tracker.automaton)
             tracker.pending += drafter.build_seconds  # constraint work, paid once per automaton
         return drafter
 
@@ -294,22 +290,17 @@ class SpeculativeDecoder(AutoregressiveDecoder):
     def _start(self, prompt: list[int], prefill: BackboneStep | None) -> None:
         """A context drafter starts the sequence with the prefill's pairs: the feature after
         each prompt token but the last two, with the token that follows it."""
-        if self._context_drafter is None:
-            return
-        if prefill is None:
-            hidden = torch.zeros(1, 0, self.head.hidden_size, device=self.device)
-        else:
-            hidden = prefill.draft_hidden[:, :-1]
-        self._context_drafter.begin(hidden, torch.tensor(prompt[1:-1], dtype=torch.long))
+        if self._context_drafter is not None:
+            self._context_drafter.begin(*context_drafting.prefill_pairs(
+                prompt, None if prefill is None else prefill.draft_hidden, self.head.hidden_size,
+                self.device))
 
     def _round(self, c: int, hidden: Tensor | None, config: SamplingConfig,
                generator: torch.Generator | None, tracker: ConstraintTracker | None = None
                ) -> tuple[Transition, BackboneStep, RoundStats]:
         move, step, stats = self._speculative_round(c, hidden, config, generator, tracker)
-        if self._context_drafter is not None:  # the kept positions' features, from this round's verify
-            kept = move.keep - 1
-            self._context_drafter.follow(step.draft_hidden[:, :kept],
-                                         torch.tensor(move.emitted[:kept], dtype=torch.long))
+        if self._context_drafter is not None:  # the kept positions' features, from this verify
+            self._context_drafter.follow(*context_drafting.kept_pairs(step.draft_hidden, move))
         if self._index is not None:
             self._index.extend(move.emitted)
         if self._path is not None and tracker is not None:  # the tracker emits them after this
@@ -345,27 +336,33 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         size = 0
         t0 = now(clock)
         uniforms = None if config.greedy else program.draw_uniforms(generator)
-        if tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT \
-                and self._context_drafter is None:
-            first = torch.tensor([c], device=clock)
-            params = head_parameters(self.head.circuit, program.head_parameters(hidden, first))
+        product = tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT
+        first = torch.tensor([c], device=clock)
+        if product and isinstance(program, RoundProgram):
+            assert tracker is not None
+            seed = program.head_hidden(hidden, first)  # a block's output: its one call a round
+            params = head_parameters(program.circuit, program.head_parameters(seed, first))
             # n uniforms: the drafts', then the stand-in's (used when c is outside the draft
             # vocabulary)
             draws = None if config.greedy else torch.rand(
                 program.window, generator=generator, dtype=torch.float64, device=clock)
-            drafter = self._drafter(tracker)
+            drafter = self._drafter(tracker, program.head)  # type: ignore[arg-type]
             draft, seconds = drafter.draft(
                 params, c, tracker.state, None if draws is None else draws[:-1], self.draft_length,
                 self._component(program, tracker), None if draws is None else float(draws[-1]))
             tracker.pending += seconds
             size = drafter.last_size
             length = int(draft.length)  # type: ignore[arg-type]
-            if config.greedy and self.respell_greedy_drafts and tracker.tokenizer is not None:
-                draft, length = self._respelled(draft, length, tracker)
+        elif product and callable(getattr(program, "constrained_draft", None)):
+            draft = program.constrained_draft(  # type: ignore[attr-defined]
+                hidden, first, uniforms, tracker, self._component(program, tracker))
+            length = int(draft.length)  # type: ignore[arg-type]
         else:
-            draft = program.draft(hidden, torch.tensor([c], device=clock), uniforms,
-                                  self._component(program))
+            draft = program.draft(hidden, first, uniforms, self._component(program))
             length = program.verified(draft)  # L: verify [c, d_1..d_L]
+        if product and config.greedy and self.respell_greedy_drafts \
+                and tracker.tokenizer is not None:  # type: ignore[union-attr]
+            draft, length = self._respelled(draft, length, tracker)  # type: ignore[arg-type]
         block = draft.block if length == program.window - 1 else draft.block[:, :length + 1]
         forced = self._forced_run(tracker, block, program.window)
         if forced:
@@ -420,7 +417,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         """The tokens the constraint forces after the verified block ``[c, d_1..d_L]`` (PRODUCT
         drafting, the exact policy; at most ``window``, and what the backbone's cache can hold)."""
         if tracker is None or self.constrained_drafting is not ConstrainedDrafting.PRODUCT \
-                or self.policy is not CorrectionPolicy.EXACT or self._context_drafter is not None:
+                or self.policy is not CorrectionPolicy.EXACT:
             return []
         limit = window
         capacity = getattr(self.backbone, "max_length", None)

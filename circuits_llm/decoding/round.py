@@ -283,11 +283,20 @@ class RoundProgram(AcceptProgram):
             raise DecoderError("a round program built with a ContextLookup drafts with a copy "
                                "component, and only then: pass one exactly when lookup is set")
         with torch.no_grad():
+            hidden = self.head_hidden(hidden, c)
             if self.compiled:  # one stride whatever block the hidden state came from: one graph
                 hidden = hidden.clone(memory_format=torch.contiguous_format)
                 if self._refresh is not None:
                     self._refresh()
             return self._result(*self._draft(hidden, c, uniforms, component))
+
+    def head_hidden(self, hidden: Tensor, c: Tensor) -> Tensor:
+        """The hidden state (1, d) the head reads this round, given the backbone's ``hidden``
+        (1, d) and the verified token ``c`` (1,): ``hidden`` itself here. A program on a draft
+        block (:class:`~circuits_llm.draft_block.BlockCircuitRoundProgram`) runs its block here;
+        :meth:`draft`, and the decoder's product drafting under a constraint, call it exactly once
+        a round (:meth:`conditionals` does not: it takes the head's hidden state)."""
+        return hidden
 
     def head_parameters(self, hidden: Tensor, c: Tensor) -> dict[str, Tensor]:
         """The head's raw parameters for ``hidden`` (1, d) after the verified token ``c`` (1,)

@@ -40,7 +40,7 @@ from circuits_llm.backbone._arch import find_parts
 from circuits_llm.heads.config import HeadConfigError
 from circuits_llm.heads.vocab import check_draft_tokens
 
-__all__ = ["BlockInit", "DraftBlock", "DraftBlockError"]
+__all__ = ["BlockInit", "DraftBlock", "DraftBlockError", "check_pairs"]
 
 
 class DraftBlockError(ValueError):
@@ -72,6 +72,20 @@ class TargetParts:
     embedding: nn.Module
     final_norm: nn.Module | None
     lm_head: nn.Module
+
+
+def check_pairs(hidden: Tensor, tokens: Tensor, size: int, device: torch.device
+                ) -> tuple[Tensor, Tensor]:
+    """One sequence's new pairs for a block's cache, checked: ``hidden`` (1, m, ``size``) the
+    features and ``tokens`` (m,) integer ids, the token after each -> both on ``device`` (the
+    tokens long): what a block's cache takes (``BlockCacheFollower``, a batch's block rows).
+    Raises :class:`DraftBlockError` naming the wrong shape."""
+    if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != size:
+        raise DraftBlockError(f"features must be (1, m, {size}), got {tuple(hidden.shape)}")
+    if tokens.dim() != 1 or tokens.shape[0] != hidden.shape[1] or tokens.is_floating_point():
+        raise DraftBlockError(f"tokens must be ({hidden.shape[1]},) integer ids (one per "
+                              f"feature), got {tuple(tokens.shape)} {tokens.dtype}")
+    return hidden.to(device), tokens.to(device, torch.long)
 
 
 def _layer_config(config: PretrainedConfig, layers: int) -> LlamaConfig:
@@ -191,16 +205,22 @@ class DraftBlock(nn.Module):
 
     def forward(self, hidden: Tensor, tokens: Tensor, positions: Tensor, allowed: Tensor,
                 cache: Cache | None = None) -> Tensor:
-        """Run the block on ``m`` new rows.
+        """Run the block on ``m`` new positions of each of ``B`` sequences.
+
+        One sequence (:meth:`extend`, training) gives shared ``positions`` and ``allowed``; a
+        padded batch of sequences, each at its own positions and with its own padding
+        (:class:`~circuits_llm.draft_block.batch.PaddedBlockRows`), gives them per row.
 
         Args:
-            hidden: (B, m, d) the features ``h`` of the rows.
-            tokens: (B, m) long, the token each row reads (``x_{j+1}`` for the feature ``h_j``).
-            positions: (m,) long, each row's position (its rotary angle).
-            allowed: (m, P + m) bool, which keys each row attends to: the ``P`` cached ones,
-                then the new rows.
-            cache: the block's KV cache (``P`` positions; the new rows are appended), or
-                ``None`` (``P = 0``, nothing kept: training).
+            hidden: (B, m, d) the features ``h`` of the new positions.
+            tokens: (B, m) long, the token each position reads (``x_{j+1}`` for ``h_j``).
+            positions: (m,) or (B, m) long, each position's index (its rotary angle), shared by
+                the rows or each row's own.
+            allowed: (m, P + m) or (B, m, P + m) bool, which keys each new position attends to:
+                the ``P`` cached ones, then the new ones (shared or per row; a padding slot must
+                be attended by no real position, and every position must attend to some key).
+            cache: the block's KV cache (``P`` positions, batch ``B``; the new ones are
+                appended), or ``None`` (``P = 0``, nothing kept: training).
 
         Returns:
             (B, m, d) the block's outputs ``o`` (before the final norm).
@@ -211,18 +231,23 @@ class DraftBlock(nn.Module):
         if tokens.shape != hidden.shape[:2] or tokens.is_floating_point():
             raise DraftBlockError(f"tokens must be (B, m) = {tuple(hidden.shape[:2])} integer ids, "
                                   f"got {tuple(tokens.shape)} {tokens.dtype}")
-        rows = hidden.shape[1]
+        batch, rows = hidden.shape[:2]
         past = 0 if cache is None else cache.get_seq_length()
-        if positions.shape != (rows,) or allowed.shape != (rows, past + rows):
-            raise DraftBlockError(f"positions must be ({rows},) and allowed ({rows}, {past + rows}), "
-                                  f"got {tuple(positions.shape)} and {tuple(allowed.shape)}")
+        shared = positions.shape == (rows,) and allowed.shape == (rows, past + rows)
+        if not shared and (positions.shape != (batch, rows)
+                           or allowed.shape != (batch, rows, past + rows)):
+            raise DraftBlockError(f"positions must be ({rows},) and allowed ({rows}, "
+                                  f"{past + rows}) (shared by the rows), or ({batch}, {rows}) and "
+                                  f"({batch}, {rows}, {past + rows}) (per row), got "
+                                  f"{tuple(positions.shape)} and {tuple(allowed.shape)}")
         with torch.no_grad():  # the target's embedding is shared and frozen
             embedded = self.target.embedding(tokens).to(hidden.dtype)
         x = self.fuse(torch.cat([self.norm_hidden(hidden), self.norm_token(embedded)], -1))
-        position_ids = positions[None].to(x.device)
+        position_ids = (positions[None] if shared else positions).to(x.device)  # (1 or B, m)
         angles = self.rotary(x, position_ids)
+        allowed = (allowed[None] if shared else allowed).to(x.device)  # (1 or B, m, P + m)
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
-        mask = mask.masked_fill(~allowed.to(x.device), torch.finfo(x.dtype).min)[None, None]
+        mask = mask.masked_fill(~allowed, torch.finfo(x.dtype).min)[:, None]
         for layer in self.layers:
             x = layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                       use_cache=cache is not None, position_embeddings=angles)

@@ -20,6 +20,12 @@ part of a hidden state after ``x_{N-2}`` whose window is ``(X_0 = c, d_1, .., d_
 a head on the backbone's feature; training (:mod:`circuits_llm.training.block_circuit`)
 uses the same alignment.
 
+Because the round program is a head's :class:`~circuits_llm.decoding.round.RoundProgram` with
+another hidden state (:meth:`BlockCircuitRoundProgram.head_hidden`), the decoder's modes apply as
+to a head: the context copy (``lookup``), every ``draft_length`` rule, and a constraint with
+``FREE`` or ``PRODUCT`` drafting (the head's circuit on ``o_1`` times the automaton, forced runs
+and respelling included); every path calls the block exactly once a round.
+
 The cache follows the verifier exactly as :class:`~circuits_llm.draft_block.drafter.BlockDrafter`'s
 does (the shared :class:`~circuits_llm.draft_block.drafter.BlockCacheFollower`), and here there are
 no speculative entries at all: only verified pairs ever enter the cache.
@@ -34,9 +40,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.inputs import check_draft_tokens
+from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.round import RoundProgram
-from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
 from circuits_llm.draft_block.drafter import BlockCacheFollower
@@ -107,31 +114,46 @@ class BlockCircuitDrafter(BlockCacheFollower):
         self.window: int = head.window  # type: ignore[attr-defined]
         self.draft_tokens: Tensor | None = getattr(head, "draft_tokens", None)
 
+    @staticmethod
+    def decoding_problem(lookup: ContextLookup | None, draft_length: DraftLength) -> str | None:
+        """Why the decoder cannot draft with this drafter given ``lookup`` and ``draft_length``,
+        or ``None``: the circuit on the block takes the context copy and every rule, as a head
+        does (its round program is a head's)."""
+        return None
+
     def round_program(self, config: SamplingConfig, *, compile: bool = False,
-                      compiler: Compiler | None = None) -> BlockCircuitRoundProgram:
-        """The round's program for ``config`` (:class:`BlockCircuitRoundProgram`)."""
-        return BlockCircuitRoundProgram(self, config, compile=compile, compiler=compiler)
+                      compiler: Compiler | None = None, draft_length: DraftLength | None = None,
+                      lookup: ContextLookup | None = None) -> BlockCircuitRoundProgram:
+        """The round's program for ``config`` (:class:`BlockCircuitRoundProgram`), with the
+        decoder's ``draft_length`` rule and context copy ``lookup``, as a head's
+        :class:`~circuits_llm.decoding.round.RoundProgram` takes them."""
+        return BlockCircuitRoundProgram(self, config, compile=compile, compiler=compiler,
+                                        draft_length=draft_length, lookup=lookup)
 
 
 class BlockCircuitRoundProgram(RoundProgram):
     """A circuit head's round program whose hidden state is the block's output.
 
-    :meth:`draft` runs the block's one step eagerly (its cache grows by the verified pairs) and
-    hands ``o_1`` (1, d) to :meth:`RoundProgram.draft`, which runs the head and the circuit
-    (compiled with ``compile``) and returns the drafts with their exact ``q``; the accept program
-    is the shared one. Every other method (uniform tape, :meth:`RoundProgram.conditionals`,
-    :meth:`RoundProgram.verified`) is the circuit head's, called with ``o_1`` as the hidden
-    state.
+    :meth:`head_hidden` runs the block's one step eagerly (its cache grows by the verified pairs)
+    and returns ``o_1`` (1, d); :meth:`RoundProgram.draft` calls it once a round and runs the head
+    and the circuit (compiled with ``compile``) on it, with the copy component and the draft-length
+    rule as for a head, and the decoder's product drafting under a constraint calls it once a
+    round too; the accept program is the shared one. Every other method (uniform tape,
+    :meth:`RoundProgram.conditionals`, :meth:`RoundProgram.verified`) is the circuit head's,
+    called with ``o_1`` as the hidden state.
 
     Args:
         drafter: the :class:`BlockCircuitDrafter` whose block, cache and head the round uses.
         config: the sampling configuration (greedy when ``temperature == 0``).
-        compile, compiler: as for :class:`RoundProgram`.
+        compile, compiler, draft_length, lookup: as for :class:`RoundProgram`.
     """
 
     def __init__(self, drafter: BlockCircuitDrafter, config: SamplingConfig, *,
-                 compile: bool = False, compiler: Compiler | None = None) -> None:
-        super().__init__(drafter.head, config, compile=compile, compiler=compiler)
+                 compile: bool = False, compiler: Compiler | None = None,
+                 draft_length: DraftLength | None = None,
+                 lookup: ContextLookup | None = None) -> None:
+        super().__init__(drafter.head, config, compile=compile, compiler=compiler,
+                         draft_length=draft_length, lookup=lookup)
         self.drafter = drafter
 
     def block_output(self, hidden: Tensor, c: Tensor) -> Tensor:
@@ -141,10 +163,6 @@ class BlockCircuitRoundProgram(RoundProgram):
         with torch.no_grad():
             return self.drafter.first_step(hidden, c).to(self.circuit.device)
 
-    def draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
-              component: Tensor | None = None) -> DraftResult:
-        """``hidden`` (1, d) the backbone's feature, ``c`` (1,) long model id, ``uniforms`` from
-        :meth:`draw_uniforms` (None when greedy), ``component`` a copy component (only with a
-        ``lookup``, which the decoder does not give a context drafter) -> the head's
-        :class:`DraftResult` on the block's output ``o_1``."""
-        return super().draft(self.block_output(hidden, c), c, uniforms, component)
+    def head_hidden(self, hidden: Tensor, c: Tensor) -> Tensor:
+        """``o_1`` (1, d): :meth:`block_output`, the hidden state the head reads this round."""
+        return self.block_output(hidden, c)

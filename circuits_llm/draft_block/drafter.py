@@ -21,6 +21,13 @@ A round (:class:`BlockRoundProgram`):
    ``q_i`` handed to it, given everything drawn before, which is all the lemma of
    docs/decoder-exactness.md needs.
 
+The decoder's other modes (issue 44, item 2(b)) apply to the recursion as to a head's draft: a
+``draft_length`` rule reads the laws the drafts were drawn from; the context copy is one more
+component of the draft's mixture (its proposal fed to the block as drafts, the recursion after
+it, ``q`` the mixture's conditionals); under a constraint with ``PRODUCT`` drafting every step's
+law is restricted to the tokens the automaton allows, renormalised
+(:meth:`BlockRoundProgram.constrained_draft`). Every path runs the first step exactly once a round.
+
 After the round (:meth:`BlockDrafter.follow`) the speculative entries are cropped and the kept
 positions' pairs, whose features the verify forward already computed (``step.draft_hidden``),
 become pending: they join the next round's first block call, so the cache follows the verifier
@@ -33,20 +40,68 @@ first step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.decoding.acceptance import draw_from_row
+from circuits_llm.decoding.constrained import ConstraintTracker
+from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.lookup import ContextLookup, mixed_conditionals, unpack
 from circuits_llm.decoding.round import AcceptProgram
 from circuits_llm.decoding.round_data import DraftResult
-from circuits_llm.decoding.warping import SamplingConfig, warp_logits
-from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
+from circuits_llm.draft_block.block import DraftBlock, DraftBlockError, check_pairs
 from circuits_llm.runtime.compiling import Compiler
 
-__all__ = ["BlockCacheFollower", "BlockDrafter", "BlockRoundProgram"]
+__all__ = ["BlockCacheFollower", "BlockDrafter", "BlockRoundProgram", "draft_law", "draw_step"]
+
+
+def draft_law(logits: Tensor, config: SamplingConfig) -> Tensor:
+    """The law a recursive draft is drawn from, given the block's ``logits`` (..., K) over the
+    draft vocabulary (``-inf`` where a constraint forbids): (..., K) float64, the warped softmax
+    when sampling, the plain softmax when greedy (what a draft-length rule reads; the greedy
+    draft is its argmax)."""
+    if config.greedy:
+        return torch.softmax(logits.double(), -1)
+    return torch.softmax(warp_logits(logits, config).double(), -1)
+
+
+def draw_step(logits: Tensor, config: SamplingConfig, uniforms: Tensor | None,
+              draft_tokens: Tensor | None, *, with_law: bool = False,
+              given: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One recursive step's draft for each row (``...``: () for one sequence, (B,) for a batch),
+    the step of :class:`BlockRoundProgram` and of the batch's ``PaddedBlockRows``.
+
+    Args:
+        logits: (..., K) the block's logits over the draft vocabulary.
+        config: the sampling configuration (greedy when ``temperature == 0``).
+        uniforms: (...) float64, each row's uniform for an inverse-CDF draw from its law
+            (:func:`draft_law`), or ``None`` when greedy (each row's argmax).
+        draft_tokens: (K,) the model ids of the draft vocabulary, or ``None`` (``K = V``).
+        with_law: return the law even when greedy (a draft-length rule reads it).
+        given: (...) long, indices decided elsewhere (the context copy's proposal, fed to the
+            block as drafts): no draw, only the law and the token mapping.
+
+    Returns:
+        ``(index, token, law)``: (...) long indices into the draft vocabulary, (...) long model
+        ids, and (..., K) float64 the law each was drawn from (``None`` when greedy and not
+        ``with_law``).
+    """
+    if given is None and (uniforms is None) != config.greedy:
+        raise DraftBlockError("a recursive draft takes uniforms exactly when sampling")
+    law = draft_law(logits, config) if with_law or uniforms is not None else None
+    if given is not None:
+        index = given
+    elif uniforms is None:
+        index = logits.argmax(-1)
+    else:
+        assert law is not None
+        rows, draws = law.reshape(-1, law.shape[-1]), uniforms.reshape(-1)
+        index = torch.stack([draw_from_row(rows[i], draws[i]) for i in range(len(draws))])
+        index = index.reshape(uniforms.shape)
+    token = index if draft_tokens is None else draft_tokens.to(index.device)[index]
+    return index, token, law
 
 
 class BlockCacheFollower:
@@ -80,13 +135,7 @@ class BlockCacheFollower:
     # ------------------------------------------------------------------ the cache
     def _check(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """``hidden`` (1, m, d) and ``tokens`` (m,) checked, on the block's device."""
-        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != self.hidden_size:
-            raise DraftBlockError(f"features must be (1, m, {self.hidden_size}), got "
-                                  f"{tuple(hidden.shape)}")
-        if tokens.dim() != 1 or tokens.shape[0] != hidden.shape[1] or tokens.is_floating_point():
-            raise DraftBlockError(f"tokens must be ({hidden.shape[1]},) integer ids (one per "
-                                  f"feature), got {tuple(tokens.shape)} {tokens.dtype}")
-        return hidden.to(self.device), tokens.to(self.device, torch.long)
+        return check_pairs(hidden, tokens, self.hidden_size, self.device)
 
     def begin(self, hidden: Tensor, tokens: Tensor) -> None:
         """Start a sequence: an empty cache; the prefill's pairs ``hidden`` (1, m, d), ``tokens``
@@ -134,6 +183,12 @@ class BlockDrafter(BlockCacheFollower):
     drafting (FastMTP) from the block's KV cache and the pending features of one sequence
     (:class:`BlockCacheFollower`).
 
+    With the decoder it takes every ``draft_length`` rule (the rule reads the recursion's own
+    laws, as it reads a head's conditionals), the context copy (``lookup``: the recursion mixed
+    with the copy, :class:`BlockRoundProgram`) and a constraint, ``FREE`` or ``PRODUCT`` (each
+    step's law restricted to the tokens the automaton allows after the drafts so far:
+    :meth:`BlockRoundProgram.constrained_draft`).
+
     Attributes:
         window: ``k + 1``: the verified token and the block's ``k`` recursive drafts.
         draft_tokens: the block's draft vocabulary (``None``: all ``V``).
@@ -150,75 +205,196 @@ class BlockDrafter(BlockCacheFollower):
         return self.block.extend(output[:, None], token[None], self.cache)[:, -1]
 
     # ------------------------------------------------------------------ the decoder's contract
+    @staticmethod
+    def decoding_problem(lookup: ContextLookup | None, draft_length: DraftLength) -> str | None:
+        """Why the decoder cannot draft with this drafter given ``lookup`` and ``draft_length``,
+        or ``None``: the recursion takes the context copy and every rule."""
+        return None
+
     def round_program(self, config: SamplingConfig, *, compile: bool = False,
-                      compiler: Compiler | None = None) -> BlockRoundProgram:
-        """The round's program for ``config`` (:class:`BlockRoundProgram`)."""
-        return BlockRoundProgram(self, config, compile=compile, compiler=compiler)
+                      compiler: Compiler | None = None, draft_length: DraftLength | None = None,
+                      lookup: ContextLookup | None = None) -> BlockRoundProgram:
+        """The round's program for ``config`` (:class:`BlockRoundProgram`) verifying as many
+        drafts as ``draft_length`` says (``None``: all ``k``), mixed with the context copy when
+        ``lookup`` is given."""
+        return BlockRoundProgram(self, config, compile=compile, compiler=compiler,
+                                 draft_length=draft_length, lookup=lookup)
 
 
 class BlockRoundProgram(AcceptProgram):
-    """One round with a draft block: :meth:`draft` (``k`` recursive block steps) and the shared
-    accept program. The draft runs eager (its cache grows); ``compile`` compiles the accept part.
+    """One round with a draft block: :meth:`draft` (``k`` recursive block steps) or, under a
+    constraint with ``PRODUCT`` drafting, :meth:`constrained_draft`, and the shared accept
+    program. The draft runs eager (its cache grows); ``compile`` compiles the accept part.
 
     Args:
         drafter: the :class:`BlockDrafter` whose block and cache the drafts come from.
         config: the sampling configuration (greedy when ``temperature == 0``).
+        draft_length: how many drafts a round verifies
+            (:class:`~circuits_llm.decoding.draft_length.DraftLength`; ``None``: all ``k``). A
+            rule that reads conditionals reads the laws the recursion drew from (greedy: the
+            block's plain softmax); every ``k`` drafts are drawn, and ``L`` is a stopping time of
+            them (that module's argument), so the law stays exact.
+        lookup: mix the context copy into the recursion
+            (:class:`~circuits_llm.decoding.lookup.ContextLookup`; every draft then takes the
+            round's copy component ``[s_1..s_k, m, w]``). The mixture is ``(1 - w)`` the recursion
+            and ``w`` the proposal ``s_1..s_m`` followed by the recursion from it: one more uniform
+            picks the copy (greedy: whenever ``m > 0`` and ``w > 0``), whose tokens are fed to the
+            block as drafts, and ``q`` is the mixture's exact conditionals along the drafts
+            (:func:`~circuits_llm.decoding.lookup.mixed_conditionals` of the recursion's laws:
+            after the proposal both components continue with the recursion, so no cut is needed).
+            Under a constraint the proposal is cut before its first token outside the draft
+            vocabulary or forbidden by the automaton (a function of the history: exact).
     """
 
     def __init__(self, drafter: BlockDrafter, config: SamplingConfig, *, compile: bool = False,
-                 compiler: Compiler | None = None) -> None:
+                 compiler: Compiler | None = None, draft_length: DraftLength | None = None,
+                 lookup: ContextLookup | None = None) -> None:
+        rule = DraftLength.fixed() if draft_length is None else draft_length
+        if not isinstance(rule, DraftLength):
+            raise DraftBlockError(f"draft_length must be a DraftLength, got {draft_length!r}")
+        try:
+            rule.check(drafter.window)
+        except DecoderError as error:
+            raise DraftBlockError(str(error)) from error
         label = f"draft block, window {drafter.window}, " \
                 f"{'greedy' if config.greedy else 'sampling'}"
         super().__init__(config, drafter.window, drafter.vocab_size, drafter.draft_tokens,
                          drafter.device, compile=compile, compiler=compiler, label=label)
+        if lookup is not None and not isinstance(lookup, ContextLookup):
+            raise DraftBlockError(f"lookup must be None or a ContextLookup, got {lookup!r}")
         self.drafter = drafter
-        self.static_length = self.window - 1
+        self.lookup = lookup
+        self.draft_length = rule
+        #: the number of drafts every round verifies, when the rule fixes it (else None)
+        self.static_length = rule.static_length(self.window)
         self.tape_length = self.window - 1
-        self._law: Callable[[Tensor], Tensor] = (lambda logits: logits) if config.greedy else \
-            (lambda logits: torch.softmax(warp_logits(logits, config).double(), -1))
 
     def draw_uniforms(self, generator: torch.Generator | None) -> Tensor:
-        """One round's float64 uniforms: ``k`` for the drafts' inverse-CDF draws, then ``n`` for
-        acceptance (read from the end by the accept program)."""
-        return torch.rand(self.tape_length + self.window, generator=generator,
+        """One round's float64 uniforms: ``k`` for the drafts' inverse-CDF draws, the one that
+        picks the copy (with a ``lookup``), then ``n`` for acceptance (read from the end by the
+        accept program)."""
+        extra = 0 if self.lookup is None else 1
+        return torch.rand(self.tape_length + extra + self.window, generator=generator,
                           dtype=torch.float64, device=self.drafter.device)
 
     def verified(self, draft: DraftResult) -> int:
-        """``L``: every draft is verified."""
-        return self.window - 1
+        """``L`` on the host without a constraint: the rule's fixed number, or a read of
+        ``draft.length`` (under a constraint the decoder reads ``draft.length``)."""
+        if self.static_length is not None:
+            return self.static_length
+        return self.window - 1 if draft.length is None else int(draft.length)
 
     def draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
               component: Tensor | None = None) -> DraftResult:
         """``hidden`` (1, d) the seed feature, ``c`` (1,) long the verified token, ``uniforms``
-        from :meth:`draw_uniforms` (None when greedy) -> :class:`DraftResult` with ``q``
-        (k, K) float64, the law each draft was drawn from (None when greedy)."""
-        if component is not None:
-            raise DraftBlockError("a draft block does not mix in a context copy (lookup)")
+        from :meth:`draw_uniforms` (None when greedy), ``component`` the round's copy component
+        (n+1,) float64 (exactly with a ``lookup``) -> :class:`DraftResult` with ``q`` (k, K)
+        float64, the law each draft was drawn from (None when greedy)."""
+        return self._recurse(hidden, c, uniforms, None, component)
+
+    def constrained_draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
+                          constraint: ConstraintTracker, component: Tensor | None = None
+                          ) -> DraftResult:
+        """:meth:`draft` under a constraint (``PRODUCT`` drafting): step ``i``'s law is the
+        block's restricted to the draft-vocabulary tokens the automaton allows after ``c,
+        d_1..d_{i-1}`` (``constraint.state`` is the state after ``c``) and renormalised, the
+        greedy draft its argmax. The recursion stops before a state that allows no draftable
+        token: ``L`` is at most the drafts before it (a stopping time of the drafts), and a round
+        that can draft nothing verifies ``[c]`` alone (``possible`` false: an autoregressive
+        round). ``q``'s row ``i`` is exactly the restricted law ``d_i`` was drawn from (with a
+        ``lookup``: that law mixed with the copy ``component``, cut where the constraint forbids
+        it)."""
+        return self._recurse(hidden, c, uniforms, constraint, component)
+
+    def _allowed(self, constraint: ConstraintTracker, state: int) -> Tensor:
+        """(K,) bool: the draft-vocabulary tokens the automaton allows in ``state``."""
+        mask = constraint.automaton.mask(state, self.drafter.device)
+        return mask if self.draft_tokens is None else mask[self.draft_tokens]
+
+    def _allowed_copy(self, component: Tensor, constraint: ConstraintTracker) -> Tensor:
+        """``component`` with its proposal cut before its first token outside the draft
+        vocabulary (a negative entry) or forbidden by the automaton from ``constraint.state``."""
+        proposal, count, _ = unpack(component)
+        state, allowed = constraint.state, 0
+        for entry in proposal[:int(count)].tolist():
+            if entry < 0 or not bool(self._allowed(constraint, state)[entry]):
+                break
+            token = entry if self.draft_tokens is None else int(self.draft_tokens[entry])
+            state = constraint.automaton.advance(state, token)
+            allowed += 1
+        if allowed == int(count):
+            return component
+        cut = component.clone()
+        cut[allowed:proposal.shape[0]] = 0
+        cut[-2] = allowed
+        if allowed == 0:
+            cut[-1] = 0.0
+        return cut
+
+    def _copying(self, component: Tensor | None, uniforms: Tensor | None) -> tuple[bool, Tensor]:
+        """Whether this round drafts the copy's proposal, and the proposal (k,) long."""
+        if (component is None) != (self.lookup is None):
+            raise DraftBlockError("a block round program built with a ContextLookup drafts with "
+                                  "a copy component, and only then: pass one exactly when lookup "
+                                  "is set")
+        if component is None:
+            return False, torch.zeros(0, dtype=torch.long)
+        proposal, count, weight = unpack(component)
+        active = int(count) > 0 and float(weight) > 0
+        chosen = uniforms is None or float(weight) > float(uniforms[self.tape_length])
+        return active and chosen, proposal.to(self.drafter.device)
+
+    def _recurse(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
+                 constraint: ConstraintTracker | None, component: Tensor | None) -> DraftResult:
+        """The recursion: the block's first step, then a step per further draft (see
+        :meth:`draft` and :meth:`constrained_draft`)."""
         greedy = uniforms is None
         if greedy != self.config.greedy:
             raise DraftBlockError("uniforms must be given exactly when sampling")
+        if component is not None and constraint is not None:
+            component = self._allowed_copy(component, constraint)
+        copying, proposal = self._copying(component, uniforms)
+        count = 0 if component is None else int(unpack(component)[1])
+        drafts, device = self.window - 1, self.drafter.device
+        wants_laws = not greedy or self.draft_length.needs_conditionals
         with torch.no_grad():
-            output = self.drafter.first_step(hidden, c)
-            drafts, rows, finite = [], [], []
-            for step in range(self.window - 1):
+            output = self.drafter.first_step(hidden, c)  # once a round, whatever follows
+            indices = torch.zeros(drafts, dtype=torch.long, device=device)
+            size = self.vocab_size if self.draft_tokens is None else self.draft_tokens.numel()
+            q = torch.zeros(drafts, size, dtype=torch.float64, device=device) \
+                if wants_laws else None
+            finite, reachable = [], drafts
+            state = -1 if constraint is None else constraint.state
+            for step in range(drafts):
                 logits = self.drafter.block.logits(output)[0]  # (K,)
                 finite.append(torch.isfinite(logits).all())
-                if greedy:
-                    index = logits.argmax()
-                else:
-                    assert uniforms is not None
-                    law = self._law(logits)
-                    rows.append(law)
-                    index = draw_from_row(law, uniforms[step])
-                token = index if self.draft_tokens is None else self.draft_tokens[index]
-                drafts.append(token)
-                if step < self.window - 2:
+                if constraint is not None:
+                    allowed = self._allowed(constraint, state)
+                    if not bool(allowed.any()):  # nothing draftable: stop before this position
+                        reachable = step
+                        break
+                    logits = logits.masked_fill(~allowed, float("-inf"))
+                # the proposal's token (fed to the block as a draft), else a draw
+                given = proposal[step] if copying and step < count else None
+                index, token, law = draw_step(logits, self.config,
+                                              None if uniforms is None else uniforms[step],
+                                              self.draft_tokens, with_law=wants_laws, given=given)
+                indices[step] = index
+                if q is not None:
+                    q[step] = law
+                if constraint is not None:
+                    state = constraint.automaton.advance(state, int(token))
+                if step < drafts - 1:
                     output = self.drafter.next_step(output, token[None])
-            tokens = torch.stack(drafts)
+            tokens = indices if self.draft_tokens is None else self.draft_tokens[indices]
             block = torch.cat([c.to(tokens.device), tokens])[None]
             head_ok = torch.stack(finite).all()
-            q = None if greedy else torch.stack(rows)
-            length = torch.tensor(self.window - 1, device=tokens.device)
-            return DraftResult(block[0, 1:], block, q, head_ok, torch.ones((), dtype=torch.bool,
-                                                                           device=tokens.device),
+            if component is not None and q is not None:
+                q = mixed_conditionals(q, indices, component.to(device))
+            length = self.draft_length.decide(q, indices)
+            possible = torch.ones((), dtype=torch.bool, device=device)
+            if constraint is not None:
+                length = length.clamp(max=reachable)
+                possible = torch.tensor(reachable > 0, device=device)
+            return DraftResult(block[0, 1:], block, None if greedy else q, head_ok, possible,
                                length)

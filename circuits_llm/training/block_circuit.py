@@ -1,5 +1,8 @@
 """Training a circuit head on a frozen draft block's outputs (the circuit on the block, issue 44
-item 2(b); :mod:`~circuits_llm.draft_block.circuit_drafter` drafts with the result).
+item 2(b); :mod:`~circuits_llm.draft_block.circuit_drafter` drafts with the result): a small,
+in-memory loop over given features. The resumable run on the corpus, in the head-training loop
+(feature cache, checkpoints, export, torchrun), is ``train-head --on-block``
+(:mod:`~circuits_llm.training.block_head_trainer`), with the same alignment.
 
 Data: :class:`~circuits_llm.draft_block.training.BlockFeatures` of prefills of the target, pairs
 ``(h_j, x_{j+1})`` for ``j = 0..T-1`` of sequences ``x_0..x_T``, and the target's law of

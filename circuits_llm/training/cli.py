@@ -18,7 +18,10 @@ features once into a disk cache and trains only the head and the LoRA layers
 ``--draft-block`` trains FastMTP's recursive MTP block instead of a circuit head
 (:mod:`circuits_llm.training.block_trainer`; ``--window n``: ``n - 1`` recursive depths,
 ``--block-layers``, ``--block-init``), on the same data and cached features, towards the model's
-own law with ``--target-law model``; the run exports ``RUN_DIR/block/``.
+own law with ``--target-law model``; the run exports ``RUN_DIR/block/``. ``--on-block DIR`` trains
+a circuit head (any ``--arch``, window and draft vocabulary) on the outputs of a frozen block
+(:mod:`circuits_llm.training.block_head_trainer`), for ``BlockCircuitDrafter``; the run exports
+``RUN_DIR/head/`` and records the block it read.
 
 Data-parallel on CPU: ``torchrun --nproc_per_node=2 -m circuits_llm train-head ...`` (the global
 ``--batch-size`` is split across the processes). ``--device`` takes the shared forms of
@@ -101,7 +104,8 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
         feature_dtype=args.feature_dtype, target_law=args.target_law,
         teacher_top_k=args.teacher_top_k, teacher_temperature=args.teacher_temperature,
         teacher_weight=args.teacher_weight, draft_block=args.draft_block,
-        block_layers=args.block_layers, block_init=args.block_init)
+        block_layers=args.block_layers, block_init=args.block_init,
+        on_block=None if args.on_block is None else str(args.on_block))
 
 
 def _train_head(args: argparse.Namespace) -> int:
@@ -247,6 +251,12 @@ def add_train_head_command(sub: Any) -> None:
                    help="--draft-block: start the layers fresh (identity) or from a copy of the "
                         "model's last layer (last_layer, Llama models); either way the block "
                         "starts as the identity on its input")
+    p.add_argument("--on-block", type=Path, default=None, metavar="BLOCK_DIR",
+                   help="train the circuit head on a frozen draft block's outputs (a "
+                        "save_draft_block directory or a --draft-block run directory), as "
+                        "BlockCircuitDrafter drafts: the head reads the block's output after the "
+                        "verified token instead of the model's hidden state; any --arch, "
+                        "--window and --draft-vocab; exported to RUN_DIR/head")
     features = p.add_mutually_exclusive_group()
     features.add_argument(
         "--cache-features", dest="cache_features", action="store_const",

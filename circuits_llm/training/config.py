@@ -210,6 +210,12 @@ class HeadTrainingConfig:
             block starts from that block's weights and drafts over its vocabulary.
         block_layers: the block's decoder layers ``L``.
         block_init: :class:`~circuits_llm.draft_block.BlockInit` of the block's layers.
+        on_block: train the circuit head on a frozen draft block's outputs (``train-head
+            --on-block DIR``; :mod:`circuits_llm.training.block_head_trainer`): a
+            ``save_draft_block`` directory or a ``--draft-block`` run directory. The head reads
+            the block's output ``o_t`` (the block run causally over ``(h_j, x_{j+1})``, ``j <=
+            t``) instead of the backbone's ``h_t``, as
+            :class:`~circuits_llm.draft_block.BlockCircuitDrafter` drafts; None: the backbone's.
     """
 
     architecture: Architecture | str | None = Architecture.BTREE
@@ -252,6 +258,7 @@ class HeadTrainingConfig:
     draft_block: bool = False
     block_layers: int = 1
     block_init: BlockInit = BlockInit.IDENTITY
+    on_block: str | None = None
 
     def __post_init__(self) -> None:
         if self.circuit_file is not None:
@@ -341,6 +348,8 @@ class HeadTrainingConfig:
             raise TrainingConfigError(f"draft_block must be true or false, got "
                                       f"{self.draft_block!r}")
         _int("block_layers", self.block_layers, 1)
+        if self.on_block is not None:
+            self._check_on_block()
         if not self.draft_block:
             return
         unused = [name for name, bad in (
@@ -351,6 +360,20 @@ class HeadTrainingConfig:
                 f"a draft block reads the LM head's input and the verified token itself; drop "
                 f"{', '.join(unused)} (they configure circuit heads) or train without "
                 "--draft-block")
+
+    def _check_on_block(self) -> None:
+        if not isinstance(self.on_block, str) or not self.on_block:
+            raise TrainingConfigError(f"on_block must be None or a draft block's directory path, "
+                                      f"got {self.on_block!r}")
+        if self.draft_block:
+            raise TrainingConfigError(
+                "--on-block trains a circuit head on a frozen draft block and --draft-block "
+                "trains a draft block: give one of them (train the block first, then the head "
+                "on it)")
+        if self.lora_layers != 0:
+            raise TrainingConfigError(
+                "a head on a draft block reads the block's outputs, which read the LM head's "
+                "input of the frozen model: drop --lora-layers (use 0) with --on-block")
 
     def _check_teacher(self) -> None:
         _int("teacher_top_k", self.teacher_top_k, 1)

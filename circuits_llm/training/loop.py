@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from circuits_llm.runtime.checkpoint import CheckpointWriteError
+from circuits_llm.training.block_head_trainer import BlockHeadTrainer
 from circuits_llm.training.block_trainer import BlockTrainer
 from circuits_llm.training.config import HeadTrainingConfig, TrainingConfigError
 from circuits_llm.training.datasets import training_sets
@@ -98,7 +99,9 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
 
     With ``config.draft_block`` the run trains a :class:`~circuits_llm.draft_block.DraftBlock`
     instead of a head, in this same loop (:class:`~circuits_llm.training.block_trainer.
-    BlockTrainer`: recursive depths, the model's own law, ``run_dir/block/`` exported).
+    BlockTrainer`: recursive depths, the model's own law, ``run_dir/block/`` exported); with
+    ``config.on_block`` a circuit head on a frozen block's outputs (:class:`~circuits_llm.
+    training.block_head_trainer.BlockHeadTrainer`).
 
     The head's size (rank, draft vocabulary ``K``) is chosen within ``config.head_budget`` of the
     model's parameters unless the config fixes it (:func:`~circuits_llm.training.build.plan_head`);
@@ -148,7 +151,8 @@ def train_head(model: PreTrainedModel, config: HeadTrainingConfig, run_dir: str 
         raise TrainingConfigError(f"run_dir {run_dir} exists and is not a directory")
     context = distributed_context(model.device, config.batch_size)
     try:
-        kind = BlockTrainer if config.draft_block else Trainer
+        kind = BlockTrainer if config.draft_block else \
+            BlockHeadTrainer if config.on_block is not None else Trainer
         trainer = kind(model, config, run_dir, context, progress, _notify)
         with StopSignals(handle_signals, _COMMAND) as signals:
             try:

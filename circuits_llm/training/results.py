@@ -8,7 +8,10 @@ An exported run directory holds::
 
 Every file is replaced atomically, and ``training.json`` last: once it exists, the head and the
 adapter next to it are complete (an interrupted later export may have refreshed them already).
-:func:`load_trained_head` rebuilds the head and the backbone (with its adapter) for decoding.
+:func:`load_trained_head` rebuilds the head and the backbone (with its adapter) for decoding; a
+head trained on a draft block's outputs (``train-head --on-block``) loads with its block through
+:func:`~circuits_llm.training.block_head_trainer.load_trained_block_head` instead, which reads the
+head with :func:`load_exported_head`.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def record_config(record: dict[str, Any], source: Path) -> HeadTrainingConfig:
 
 def load_trained_head(run_dir: str | Path, model: PreTrainedModel, *, compile: bool = False,
                       ) -> tuple[MTPHead, HFBackbone]:
-    """Rebuild a trained head and its backbone (with the LoRA adapter) for decoding.
+    """Rebuild a head trained on the backbone's features and its backbone (with the LoRA adapter)
+    for decoding.
 
     Args:
         run_dir: a directory written by ``train_head`` (its ``training.json``, ``head/`` and,
@@ -173,8 +177,31 @@ def load_trained_head(run_dir: str | Path, model: PreTrainedModel, *, compile: b
         ``SpeculativeDecoder(backbone, head)``.
 
     Raises:
-        CheckpointError: missing or corrupt run files.
+        CheckpointError: missing or corrupt run files, a run that trained a draft block, or one
+            that trained its head on a draft block's outputs (``on_block``): that head reads the
+            block's outputs, so on the backbone's hidden states it would decode from inputs it
+            never saw; :func:`~circuits_llm.training.block_head_trainer.load_trained_block_head`
+            loads it with its block.
         TrainingConfigError: the model is not the one the head was trained for.
+    """
+    run_dir = Path(run_dir)
+    config = record_config(read_record(run_dir), run_dir / RECORD_FILE)
+    if config.on_block is not None:
+        raise CheckpointError(
+            f"{run_dir} trained its head on a draft block's outputs (train-head --on-block "
+            f"{config.on_block}), not on the backbone's hidden states; load it with its block "
+            "through circuits_llm.training.block_head_trainer.load_trained_block_head and decode "
+            "with BlockCircuitDrafter(block, head)")
+    return load_exported_head(run_dir, model, compile=compile)
+
+
+def load_exported_head(run_dir: str | Path, model: PreTrainedModel, *, compile: bool = False,
+                       ) -> tuple[MTPHead, HFBackbone]:
+    """The head a ``train_head`` run exported and its backbone (with the LoRA adapter), both in
+    eval mode, whatever the head reads: the loaders that know its inputs check them
+    (:func:`load_trained_head`: the backbone's features;
+    :func:`~circuits_llm.training.block_head_trainer.load_trained_block_head`: a draft block's
+    outputs). Arguments and errors as :func:`load_trained_head`'s, less the ``on_block`` refusal.
     """
     run_dir = Path(run_dir)
     record = read_record(run_dir)

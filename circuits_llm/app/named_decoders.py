@@ -1,0 +1,165 @@
+"""What ``circuits-llm generate --head NAME`` decodes with: the autoregressive decoder, a circuit
+head (a head kind, a saved head or a ``train-head`` run) or a draft block (issue 44).
+
+``--head`` reads:
+
+* ``ar`` / ``none``: plain autoregressive decoding;
+* a head kind (``ff``, ``btree``...): the head the user trained for the model into the head cache,
+  else the package's shipped head (:func:`~circuits_llm.app.head_cache.find_head`);
+* ``block`` / ``<kind>-block`` (``btree-block``): the package's shipped draft block for the model
+  (:func:`~circuits_llm.app.head_cache.find_shipped_drafter`): recursive drafting (FastMTP), or a
+  circuit head on the block's output; one :class:`~circuits_llm.app.head_cache.NoHeadError` when
+  none ships for the model;
+* a directory: a saved head (``save_head``), a shipped directory (head or block), a
+  ``train-head`` run (a head's, or a ``--draft-block`` run's block), or a ``save_draft_block``
+  directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from circuits_llm.app.demo import (
+    ComparisonConfig,
+    DemoError,
+    pack_for_verify_blocks,
+    training_config,
+)
+from circuits_llm.app.head_cache import (
+    NoHeadError,
+    find_head,
+    find_shipped_drafter,
+    no_drafter_message,
+)
+from circuits_llm.app.shipping import ShippedDrafter, load_shipped_drafter
+from circuits_llm.heads.shipped import (
+    BLOCK_FILES,
+    SHIPPED_MANIFEST,
+    ShippedHeadError,
+    is_block_kind,
+    read_shipped_head,
+)
+
+__all__ = ["AUTOREGRESSIVE_NAMES", "block_drafter", "decoder_for"]
+
+#: ``--head`` values that mean plain autoregressive decoding.
+AUTOREGRESSIVE_NAMES = ("ar", "none")
+
+
+def block_drafter(head: str, loaded: Any, model_name: str = "MODEL"
+                  ) -> tuple[ShippedDrafter, str] | None:
+    """The draft block ``--head`` names, as the drafter the decoder takes, and where it came
+    from; None when ``head`` names no block (a head kind, ``ar``, a head's directory).
+
+    Raises:
+        NoHeadError: a block kind that no shipped block of the model has.
+        ShippedHeadError: a shipped block for another model, or damaged (reinstall).
+        DemoError: a block directory that cannot be read (the message says why).
+        circuits_llm.runtime.checkpoint.CheckpointError: a run directory's files are damaged.
+    """
+    from circuits_llm.draft_block import BlockDrafter, DraftBlockError, load_draft_block
+    from circuits_llm.text.models import backbone_identity
+    from circuits_llm.training.block_trainer import load_trained_block
+    from circuits_llm.training.results import RECORD_FILE, read_record
+    path = Path(head)
+    if is_block_kind(head) and not path.is_dir():
+        found = find_shipped_drafter(loaded, head.lower())
+        if found is None:
+            raise NoHeadError(no_drafter_message(head.lower(), model_name))
+        return load_shipped_drafter(found, loaded.model), f"shipped {found.kind} {found.name}"
+    if (path / SHIPPED_MANIFEST).is_file():
+        shipped = read_shipped_head(path)
+        if not shipped.layout.has_block:
+            return None
+        if not shipped.trained_for(backbone_identity(loaded.model)):
+            raise ShippedHeadError(f"the draft block in {path} serves {shipped.model_name}, "
+                                   "another model than this one; give its --model")
+        return load_shipped_drafter(shipped, loaded.model), str(path)
+    try:
+        if (path / RECORD_FILE).is_file() and read_record(path)["config"].get("draft_block"):
+            return BlockDrafter(load_trained_block(path, loaded.model)), str(path)
+        if (path / BLOCK_FILES[0]).is_file():  # a save_draft_block directory
+            return BlockDrafter(load_draft_block(path, loaded.model)), str(path)
+    except DraftBlockError as error:
+        raise DemoError(f"--head {head}: {error}") from None
+    return None
+
+
+def _with_backbone(head: Any, loaded: Any, compile: bool, packed: bool) -> tuple[Any, Any]:
+    """``head`` in eval mode and a backbone on the model (without LoRA layers); ``packed``: the
+    model's linear weights packed for the head's verify blocks first (a CPU)."""
+    from circuits_llm.backbone import HFBackbone
+    if packed:
+        pack_for_verify_blocks(loaded.model, head.window, loaded.model.device)
+    lengths = sorted({1, head.window}) if compile else None
+    return head.eval(), HFBackbone(loaded.model, compile=compile, compiled_lengths=lengths)
+
+
+def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compile: bool,
+                     packed: bool) -> tuple[Any, Any, str]:
+    """The head ``--head`` names, its backbone, and where it came from: a head kind (one the user
+    trained into ``cache`` for this model, else the package's shipped head:
+    :func:`~circuits_llm.app.head_cache.find_head`), a saved head's directory (``save_head``'s
+    files, a shipped head's included) or a ``train-head`` run directory."""
+    from circuits_llm.heads import head_kind_names, load_head
+    from circuits_llm.heads.io import CONFIG_FILE
+    from circuits_llm.text.models import config_fingerprint
+    from circuits_llm.training import load_trained_head
+    run_dir, device = Path(head), loaded.model.device
+    if head.lower() in head_kind_names():
+        preferred = [training_config(ComparisonConfig.demo(quick), head.lower())
+                     for quick in (False, True)]
+        found = find_head(loaded, head.lower(), cache, preferred, model_name)
+        if found.shipped is not None:
+            return *_with_backbone(found.shipped.load(device), loaded, compile, packed), \
+                found.describe()
+        assert found.run_dir is not None
+        run_dir = found.run_dir
+    elif not run_dir.is_dir():
+        raise DemoError(f"--head {head}: expected a head kind ({', '.join(head_kind_names())}), "
+                        f"a draft block (block, <kind>-block), {', '.join(AUTOREGRESSIVE_NAMES)}, "
+                        "or a directory of a trained head or block")
+    elif (run_dir / CONFIG_FILE).is_file():  # a saved (or shipped) head
+        config = loaded.model.config
+        saved = load_head(run_dir, config.hidden_size, config.vocab_size, device=device,
+                          expected_fingerprint=config_fingerprint(loaded.model))
+        return *_with_backbone(saved, loaded, compile, packed), str(run_dir)
+    if packed:  # a train-head run
+        from circuits_llm.training.results import RECORD_FILE, read_record, record_config
+        window = record_config(read_record(run_dir), run_dir / RECORD_FILE).window
+        pack_for_verify_blocks(loaded.model, window, device)
+    return *load_trained_head(run_dir, loaded.model, compile=compile), str(run_dir)
+
+
+def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
+                 lookup: tuple[float, ...] = (), packed: bool = False,
+                 walk: float = 0.0, model_name: str = "MODEL") -> tuple[Any, str]:
+    """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
+    of the context into the drafts with ``lookup``'s weights, and under a constraint its walk
+    with weight ``walk``; a speculative decoder on a CPU with ``packed``: the model's linear
+    weights packed for its verify blocks), and a description of it."""
+    from circuits_llm.backbone import HFBackbone
+    from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    if head.lower() in AUTOREGRESSIVE_NAMES:
+        if lookup:
+            raise DemoError("--lookup mixes a copy of the context into a head's drafts: choose a "
+                            "--head other than ar, or leave --lookup out")
+        return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
+    found = block_drafter(head, loaded, model_name)
+    drafter: Any
+    if found is not None:  # a draft block: its drafter takes the head's place
+        drafter, where = found
+        if packed:
+            pack_for_verify_blocks(loaded.model, drafter.window, loaded.model.device)
+        backbone = HFBackbone(loaded.model, compile=compile, compiled_lengths=sorted(
+            {1, drafter.window}) if compile else None)
+    else:
+        mtp_head, backbone, where = _load_named_head(head, loaded, cache, model_name, compile,
+                                                     packed)
+        drafter = mtp_head.eval()
+    from circuits_llm.decoding.lookup import ContextLookup
+    # a weight of 0 never copies: the walk alone when only it is asked for
+    copy = ContextLookup(lookup or (0.0,), constraint_weight=walk) if lookup or walk else None
+    return (SpeculativeDecoder(backbone, drafter, compile=compile, lookup=copy),
+            f"speculative ({where}{', ' + copy.describe() if copy else ''})")

@@ -1,0 +1,382 @@
+"""A draft block in a batch of prompts: each row keeps its own block state, exact per row.
+
+A :class:`~circuits_llm.draft_block.drafter.BlockCacheFollower` (a
+:class:`~circuits_llm.draft_block.drafter.BlockDrafter` or a
+:class:`~circuits_llm.draft_block.circuit_drafter.BlockCircuitDrafter`) keeps ONE sequence's state:
+the block's KV cache, how many of its positions hold verified pairs, and the pending pairs of the
+last round's kept positions. A batch (:mod:`circuits_llm.decoding.batch`) gives every row its own
+state, which lives exactly the single-prompt decoder's life on that row:
+
+* begun with the row's prefill pairs (the batched prefill's features at the row's own positions,
+  equal to a prefill of the row alone: :mod:`circuits_llm.backbone.ragged_cache`);
+* each round, the row's draft from its own state, its uniforms drawn from its generator in row
+  order before any row drafts (as the batch does for heads);
+* after the round, the kept positions' pairs from the row's own slice of the batch's verify
+  forward (the speculative entries cropped);
+* a row that leaves the batch drops its state (the batch loop forgets it).
+
+Two ways to run a round's block steps (:data:`ONE_BLOCK_CALL`, :func:`block_rows`):
+
+* :class:`PaddedBlockRows` (default): every row's block step in ONE block call: the rows' caches
+  gathered left-padded into one, their new pairs right-padded, each row with its own positions
+  and a mask over its own entries only; each row's new keys and values go back to its own cache.
+  Recursive drafting then costs ``k`` block calls a round whatever the batch size; the circuit on
+  the block one block call and one circuit pass for every row
+  (:func:`~circuits_llm.decoding.batch_draft.draft_rows` on the rows' block outputs ``o_1``).
+* :class:`BlockRows`: each row a shallow copy of the decoder's drafter (the block's weights, and a
+  circuit drafter's head, shared; ``begin`` gives it its own empty cache), drafting with the
+  drafter's own round program bound to the copy (the circuit on the block: each row's block
+  step on its copy, then one circuit pass for every row): ``B`` block calls a step. The plain
+  reference, and what a subclass of the two drafters (whose round program this module does not
+  know) gets.
+
+Exactness per row is the single-prompt argument (docs/decoder-exactness.md): every row's drafts
+are drawn from exactly the ``q`` its own history gives (up to float rounding in the padded call,
+whose masked entries weigh exactly zero), and verified by the shared accept program.
+``tests/test_batch_block.py`` checks both ways: greedy output against ``generate``, draws against
+the single-prompt decoder's, every draft against a fresh drafter's on the row's history, the law
+by enumeration, and each row's cache against a fresh prefill.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from circuits_llm.backbone.cache_slots import drop_last_positions
+from circuits_llm.decoding.batch_draft import draft_rows, rows_per_pass
+from circuits_llm.decoding.round_data import DraftResult
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig
+from circuits_llm.draft_block.block import check_pairs
+from circuits_llm.draft_block.circuit_drafter import BlockCircuitDrafter, BlockCircuitRoundProgram
+from circuits_llm.draft_block.drafter import (
+    BlockCacheFollower,
+    BlockDrafter,
+    BlockRoundProgram,
+    draw_step,
+)
+
+__all__ = ["ONE_BLOCK_CALL", "BlockRow", "BlockRows", "PaddedBlockRows", "PaddedRow", "block_rows"]
+
+#: run every row's block step in one block call (:class:`PaddedBlockRows`); False: one call per
+#: row (:class:`BlockRows`, the plain reference the tests compare with)
+ONE_BLOCK_CALL = True
+
+
+def block_rows(drafter: object) -> BlockRows | PaddedBlockRows:
+    """The batch's per-row draft-block state for the decoder's ``drafter``: every row's block
+    steps in one call (:class:`PaddedBlockRows`) when :data:`ONE_BLOCK_CALL` and the drafter is
+    a ``BlockDrafter`` or ``BlockCircuitDrafter`` itself, else one call per row
+    (:class:`BlockRows`: a subclass drafts with its own round program).
+
+    Raises:
+        DecoderError: ``drafter`` is not a draft block's ``BlockDrafter`` or
+            ``BlockCircuitDrafter``.
+    """
+    if ONE_BLOCK_CALL and type(drafter) in (BlockDrafter, BlockCircuitDrafter):
+        return PaddedBlockRows(drafter)
+    return BlockRows(drafter)
+
+
+def _check_plain(program: Any) -> None:
+    """A batch's block rows draft without the context copy and verify every draft (the decoder
+    refuses both options for a batch): say so if ``program`` was built with either."""
+    if getattr(program, "lookup", None) is not None or \
+            getattr(program, "static_length", program.window - 1) != program.window - 1:
+        raise DecoderError("a batch of prompts with a draft block takes neither lookup nor a "
+                           "draft_length rule yet: decode the prompts one at a time")
+
+
+def _circuit_drafts(program: BlockCircuitRoundProgram, outputs: Tensor, c: Tensor,
+                    uniforms: Tensor | None) -> list[DraftResult]:
+    """The circuit on the block for every row: the rows' block outputs ``o_1`` (B, d) read by the
+    circuit head as hidden states, with ``c`` (B,) and ``uniforms`` (B, T) (``None`` when
+    greedy), in passes of at most :func:`~circuits_llm.decoding.batch_draft.rows_per_pass` rows
+    on a CPU -> one draft per row."""
+    device = program.circuit.device
+    outputs, c = outputs.to(device), c.to(device)
+    step = rows_per_pass(program) or len(outputs)
+    drafts: list[DraftResult] = []
+    for start in range(0, len(outputs), step):
+        part = slice(start, start + step)
+        drafts += draft_rows(program, outputs[part], c[part],
+                             None if uniforms is None else uniforms[part])
+    return drafts
+
+
+@dataclass
+class BlockRow:
+    """One row's draft-block state in a batch.
+
+    Attributes:
+        drafter: the row's own copy of the decoder's drafter (its cache, verified length and
+            pending pairs; the block's weights shared).
+        programs: the row's round programs by sampling configuration (recursive drafting only:
+            a program reads the state of the drafter it was built for).
+    """
+
+    drafter: BlockCacheFollower
+    programs: dict[SamplingConfig, Any] = field(default_factory=dict)
+
+    def program(self, config: SamplingConfig) -> Any:
+        """The round program of this row's drafter for ``config`` (built once, eager)."""
+        program = self.programs.get(config)
+        if program is None:
+            program = self.programs[config] = self.drafter.round_program(config)  # type: ignore[attr-defined]
+        return program
+
+
+class BlockRows:
+    """The draft-block side of a batch round (see the module docstring).
+
+    Args:
+        drafter: the decoder's context drafter, a
+            :class:`~circuits_llm.draft_block.drafter.BlockCacheFollower` (``BlockDrafter`` or
+            ``BlockCircuitDrafter``); it is only copied, its own state is never touched.
+
+    Raises:
+        DecoderError: ``drafter`` is another kind of context drafter, whose per-sequence state
+            this module cannot give each row.
+    """
+
+    def __init__(self, drafter: object) -> None:
+        if not isinstance(drafter, BlockCacheFollower) or not callable(
+                getattr(drafter, "round_program", None)):
+            raise DecoderError(
+                f"a batch of prompts drafts with a draft block's BlockDrafter or "
+                f"BlockCircuitDrafter (one cache per row), not {type(drafter).__name__}: decode "
+                f"these prompts one at a time")
+        self.drafter = drafter
+
+    def start(self, features: Tensor, tokens: Tensor) -> BlockRow:
+        """A row's state for a new sequence: ``features`` (1, m, d) the prefill's draft hidden
+        states of its prompt's positions but the last two, ``tokens`` (m,) the token after each
+        (as the single-prompt decoder begins its drafter)."""
+        row = copy.copy(self.drafter)  # the weights shared; begin gives it its own empty cache
+        row.begin(features, tokens)
+        return BlockRow(row)
+
+    @staticmethod
+    def follow(row: BlockRow, features: Tensor, tokens: Tensor) -> None:
+        """After a round: the row's cache drops its speculative entries and takes the kept
+        positions' pairs ``features`` (1, m, d), ``tokens`` (m,) as pending."""
+        row.drafter.follow(features, tokens)
+
+    @staticmethod
+    def flushed(row: BlockRow) -> tuple[Any, int]:
+        """Run the row's pending pairs into its cache now (the next round would have) -> its
+        cache and how many of its positions hold verified pairs (the tests compare it with a
+        fresh prefill)."""
+        row.drafter.flush()
+        return row.drafter.cache, row.drafter.length
+
+    def draft(self, program: Any, rows: list[BlockRow], hidden: Tensor, c: Tensor,
+              uniforms: Tensor | None) -> list[DraftResult]:
+        """Every row's draft of one round.
+
+        Args:
+            program: the decoder's round program for this configuration (built on the decoder's
+                own drafter; only its configuration and circuit are read here).
+            rows: the drafting rows' states.
+            hidden: (B, d) each row's seed feature (the backbone's draft hidden state at its last
+                cached token).
+            c: (B,) long each row's verified token.
+            uniforms: (B, T) float64 each row's round uniforms (``None`` when greedy).
+
+        Returns:
+            One :class:`~circuits_llm.decoding.round_data.DraftResult` per row, what the
+            single-prompt round drafts from that row's state.
+        """
+        _check_plain(program)
+        if type(program) is BlockCircuitRoundProgram:
+            return self._draft_circuit(program, rows, hidden, c, uniforms)
+        return [row.program(program.config).draft(hidden[b:b + 1], c[b:b + 1],
+                                                   None if uniforms is None else uniforms[b])
+                for b, row in enumerate(rows)]
+
+    @staticmethod
+    def _draft_circuit(program: BlockCircuitRoundProgram, rows: list[BlockRow], hidden: Tensor,
+                       c: Tensor, uniforms: Tensor | None) -> list[DraftResult]:
+        """Each row's block step on its own cache (``o_1``, what
+        :meth:`~circuits_llm.draft_block.circuit_drafter.BlockCircuitRoundProgram.block_output`
+        gives), then the circuit's passes for every row at once (in passes of at most
+        :func:`~circuits_llm.decoding.batch_draft.rows_per_pass` rows on a CPU)."""
+        with torch.no_grad():
+            outputs = torch.cat([row.drafter.first_step(hidden[b:b + 1], c[b:b + 1])
+                                 for b, row in enumerate(rows)])
+        return _circuit_drafts(program, outputs, c, uniforms)
+
+
+# ---------------------------------------------------------------- every row's block step in one call
+@dataclass
+class PaddedRow:
+    """One row's draft-block state for :class:`PaddedBlockRows`: what a
+    :class:`~circuits_llm.draft_block.drafter.BlockCacheFollower` keeps for one sequence.
+
+    Attributes:
+        cache: the row's own block KV cache (batch 1).
+        length: its positions holding verified pairs (speculative ones come after).
+        pending: the pairs not yet run, ``(hidden (m, d), tokens (m,))``, or ``None``.
+    """
+
+    cache: Any
+    length: int = 0
+    pending: tuple[Tensor, Tensor] | None = None
+
+
+class PaddedBlockRows:
+    """The draft-block side of a batch round with every row's block step in ONE block call.
+
+    Each row keeps its own KV cache (:class:`PaddedRow`, the single-prompt drafter's state). A
+    step gathers the rows' caches into one left-padded ``(B, H, P, D)`` cache, right-pads the rows'
+    new pairs to the longest, and runs the block once with each row's own positions (its rotary
+    angles) and a mask that lets a row attend to its own cached and new positions only; then each
+    row's real new keys and values are appended to its own cache. So each row's outputs are, up to
+    float rounding, those of the single-prompt drafter's call on that row, and a round costs ``k``
+    block calls whatever ``B`` (recursive drafting), or one (the circuit on the block, then one
+    circuit pass: :func:`~circuits_llm.decoding.batch_draft.draft_rows`).
+
+    The block call is :meth:`~circuits_llm.draft_block.block.DraftBlock.forward` with per-row
+    positions and masks, and each recursive step's draws are
+    :func:`~circuits_llm.draft_block.drafter.draw_step` on the batched logits, both shared with
+    the single-prompt drafter.
+
+    Args:
+        drafter: the decoder's ``BlockDrafter`` or ``BlockCircuitDrafter`` (only its block and
+            its kind are read).
+    """
+
+    def __init__(self, drafter: object) -> None:
+        BlockRows(drafter)  # the same refusal of other context drafters
+        self.drafter: BlockCacheFollower = drafter  # type: ignore[assignment]
+        self.block = self.drafter.block
+
+    def _pairs(self, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """``features`` (1, m, d) and ``tokens`` (m,) checked -> (m, d), (m,) on the block's
+        device."""
+        hidden, tokens = check_pairs(features, tokens, self.block.hidden_size,
+                                     self.drafter.device)
+        return hidden[0], tokens
+
+    def start(self, features: Tensor, tokens: Tensor) -> PaddedRow:
+        """A row's state for a new sequence (as ``BlockCacheFollower.begin``)."""
+        hidden, tokens = self._pairs(features, tokens)
+        return PaddedRow(self.block.new_cache(), 0, (hidden, tokens) if tokens.numel() else None)
+
+    def follow(self, row: PaddedRow, features: Tensor, tokens: Tensor) -> None:
+        """As ``BlockCacheFollower.follow``: crop the speculative entries, the kept pairs pending."""
+        hidden, tokens = self._pairs(features, tokens)
+        if row.pending is not None:
+            hidden = torch.cat([row.pending[0], hidden])
+            tokens = torch.cat([row.pending[1], tokens])
+        drop_last_positions(row.cache, row.cache.get_seq_length() - row.length)
+        row.pending = (hidden, tokens) if tokens.numel() else None
+
+    def flushed(self, row: PaddedRow) -> tuple[Any, int]:
+        """As :meth:`BlockRows.flushed`: the row's pending pairs run -> its cache and length."""
+        drop_last_positions(row.cache, row.cache.get_seq_length() - row.length)
+        if row.pending is not None:
+            with torch.no_grad():
+                self._step([row], [row.pending[0]], [row.pending[1]])
+            row.length += row.pending[1].numel()
+            row.pending = None
+        return row.cache, row.length
+
+    def draft(self, program: Any, rows: list[PaddedRow], hidden: Tensor, c: Tensor,
+              uniforms: Tensor | None) -> list[DraftResult]:
+        """Every row's draft (see :meth:`BlockRows.draft` for the arguments)."""
+        _check_plain(program)
+        device = self.drafter.device
+        with torch.no_grad():
+            features, tokens = [], []
+            for b, row in enumerate(rows):  # the pending pairs, then the round's own pair
+                seed, token = hidden[b:b + 1].to(device), c[b:b + 1].to(device, torch.long)
+                if row.pending is not None:
+                    seed = torch.cat([row.pending[0], seed.to(row.pending[0].dtype)])
+                    token = torch.cat([row.pending[1], token])
+                    row.pending = None
+                row.length += token.numel()
+                features.append(seed)
+                tokens.append(token)
+            output = self._step(rows, features, tokens)
+            if type(program) is BlockCircuitRoundProgram:
+                return _circuit_drafts(program, output, c, uniforms)
+            if type(program) is not BlockRoundProgram:
+                raise DecoderError(f"one block call for every row knows the BlockRoundProgram and "
+                                   f"the BlockCircuitRoundProgram, not {type(program).__name__}")
+            return self._recursive(program, rows, output, c.to(device), uniforms)
+
+    def _recursive(self, program: Any, rows: list[PaddedRow], output: Tensor, c: Tensor,
+                   uniforms: Tensor | None) -> list[DraftResult]:
+        """``k`` recursive steps for every row: (B, d) outputs -> each row's draft and ``q``."""
+        block, config, window = self.block, program.config, program.window
+        ids = block.draft_tokens
+        drafts, laws, finite = [], [], []
+        for step in range(window - 1):
+            logits = block.logits(output)  # (B, K)
+            finite.append(torch.isfinite(logits).all(-1))
+            _, token, law = draw_step(logits, config, None if uniforms is None
+                                      else uniforms[:, step], ids)
+            if law is not None:
+                laws.append(law)
+            drafts.append(token)
+            if step < window - 2:
+                output = self._step(rows, list(output[:, None]), list(token[:, None]))
+        tokens = torch.stack(drafts, 1)  # (B, k)
+        blocks = torch.cat([c[:, None], tokens], 1)
+        head_ok = torch.stack(finite, 1).all(1)
+        q = None if uniforms is None else torch.stack(laws, 1)  # (B, k, K)
+        length = torch.tensor(window - 1, device=tokens.device)
+        possible = torch.ones((), dtype=torch.bool, device=tokens.device)
+        return [DraftResult(blocks[b, 1:], blocks[b:b + 1], None if q is None else q[b],
+                            head_ok[b], possible, length) for b in range(len(rows))]
+
+    def _step(self, rows: list[PaddedRow], features: list[Tensor], tokens: list[Tensor]
+              ) -> Tensor:
+        """One block call appending row ``b``'s ``features[b]`` (m_b, d) and ``tokens[b]``
+        (m_b,) to its own cache -> (B, d) each row's output at its last new pair."""
+        block, batch = self.block, len(rows)
+        counts = [t.numel() for t in tokens]
+        pasts = [row.cache.get_seq_length() for row in rows]
+        width, past = max(counts), max(pasts)
+        device, dtype = features[0].device, block.fuse.weight.dtype
+        hidden = torch.zeros(batch, width, features[0].shape[-1], dtype=dtype, device=device)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for b, (feature, token) in enumerate(zip(features, tokens, strict=True)):
+            hidden[b, :counts[b]] = feature.to(dtype)
+            ids[b, :counts[b]] = token
+        count = torch.tensor(counts, device=device)
+        held = torch.tensor(pasts, device=device)
+        query = torch.arange(width, device=device)
+        positions = held[:, None] + query[None, :]  # (B, m): each row's own positions
+        slots = torch.arange(past, device=device)
+        own_past = (slots[None, :] >= (past - held)[:, None])[:, None, :].expand(-1, width, -1)
+        causal = query[None, :] <= query[:, None]  # (m, m)
+        real = query[None, :] < count[:, None]  # (B, m): the row's real new pairs
+        # a padding query attends to itself too (no empty row); its outputs are never read
+        own_new = causal[None] & (real[:, None, :] | torch.eye(width, dtype=torch.bool,
+                                                                device=device)[None])
+        allowed = torch.cat([own_past, own_new], -1)  # (B, m, P + m)
+        cache = block.new_cache()
+        if past:  # every row's cache, left-padded to the longest (padding never attended)
+            full = rows[pasts.index(past)].cache
+            for layer in range(len(block.layers)):
+                shape = full.layers[layer].keys.shape  # (1, H, P, D)
+                keys = full.layers[layer].keys.new_zeros(batch, shape[1], past, shape[3])
+                values = torch.zeros_like(keys)
+                for b, (row, held_b) in enumerate(zip(rows, pasts, strict=True)):
+                    if held_b:
+                        keys[b, :, past - held_b:] = row.cache.layers[layer].keys[0]
+                        values[b, :, past - held_b:] = row.cache.layers[layer].values[0]
+                cache.update(keys, values, layer)
+        output = block(hidden, ids, positions, allowed, cache)  # each row its own positions
+        for b, row in enumerate(rows):
+            for layer in range(len(block.layers)):
+                new = cache.layers[layer]
+                row.cache.update(new.keys[b:b + 1, :, past:past + counts[b]],
+                                 new.values[b:b + 1, :, past:past + counts[b]], layer)
+        return output[torch.arange(batch, device=device), count - 1]
