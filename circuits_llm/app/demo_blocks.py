@@ -134,8 +134,12 @@ def describe_block(ready: ReadyBlock, unit: TokenUnit) -> str:
     bits = "" if before is None or after is None else \
         f"; validation bits/{per} by depth {before:.2f} -> {after:.2f}"
     head = r["circuit_head"]
-    on_top = "" if head is None else \
-        f", a {head['kind']} head of window {head['window']} on its output"
+    on_top = ""
+    if head is not None:
+        trained = head.get("record") or {}
+        steps = "" if trained.get("step") is None else \
+            f", trained {trained['step']} steps in {float(trained.get('elapsed_s', 0.0)):.0f} s"
+        on_top = f", a {head['kind']} head of window {head['window']} on its output{steps}"
     return (f"draft block {ready.name}: shipped ({r['shipped_as']}), {r['parameters']:,} "
-            f"parameters{on_top} ({r['steps']} steps, {r['train_wall_s']:.0f} s of "
+            f"parameters{on_top} (the block: {r['steps']} steps, {r['train_wall_s']:.0f} s of "
             f"training{bits}) in {r['run_dir']}")
