@@ -8,7 +8,7 @@
 # model: the cross-entropy to its 16 most likely tokens at T = 1). The head reads the block's
 # output o_1 after the verified token, as BlockCircuitDrafter drafts. The run exports RUN_DIR/head
 # (save_head) and training.json (validation bits before and after, the block's directory and the
-# SHA-256 of its tensors); with F16=1 a float16 copy goes to RUN_DIR/head-f16. Decode with it:
+# SHA-256 of its tensors); the ship command printed at the end stores it in float16. Decode with it:
 #   block, head = load_trained_block_head(RUN_DIR, model)   # circuits_llm.training.block_head_trainer
 #   SpeculativeDecoder(model, BlockCircuitDrafter(block, head))
 # and measure it without decoding noise:
@@ -22,7 +22,7 @@
 # where scripts/train_draft_block.sh puts it), TOKENS (training tokens: 524,288, the block recipe's),
 # STEPS (1,500), BATCH_SIZE (8), LR (3e-3, the shipped heads' fresh rate), WINDOW (4), RANK (16),
 # DRAFT_VOCAB (4,096, the shipped heads'), MINUTES (a time cap on the run: 20 on the CPU; unset on a
-# GPU), F16 (1: write the float16 copy).
+# GPU).
 #
 # Budget on the 2-core CPU of the project's machine: no prefill when the block recipe ran (its
 # feature cache is read). A step (8 windows of 128: the frozen block's causal pass, then the
@@ -63,22 +63,4 @@ echo "== train-head --on-block $BLOCK ($TOKENS positions, $STEPS steps of $BATCH
   --eval-every 250 --eval-windows 64 --device "$DEVICE" --threads "$THREADS" --no-progress \
   "${LIMIT[@]}"
 
-if [ "${F16:-1}" = 1 ]; then
-  "$PY" - "$RUN" "$MODEL" <<'EOF'
-import sys
-from pathlib import Path
-
-import torch
-
-from circuits_llm.heads import save_head
-from circuits_llm.text.models import load_model
-from circuits_llm.training.block_head_trainer import load_trained_block_head
-
-run, spec = Path(sys.argv[1]), sys.argv[2]
-model = load_model(spec).model
-_, head = load_trained_block_head(run, model)  # checks the head against the block it read
-save_head(head, run / "head-f16", storage_dtype=torch.float16)
-size = sum(path.stat().st_size for path in (run / "head-f16").iterdir())
-print(f"float16 head: {run / 'head-f16'} ({size / 2**20:.1f} MiB)")
-EOF
-fi
+echo "float16 and shipped (at most 20 MB, verified on load): python -m circuits_llm.app.head_cache ship "$BLOCK" --name smollm2-btree-block --model "$MODEL" --circuit-head "$RUN""

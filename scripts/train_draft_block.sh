@@ -6,8 +6,8 @@
 # model's own law (--target-law model: the cross-entropy to its 16 most likely tokens at T = 1),
 # 3 recursive depths (window 4), depth a weighted 0.6^(a-1), depths >= 2 reading the block's own
 # outputs as when it drafts. The run exports RUN_DIR/block (save_draft_block: block_config.json +
-# block.safetensors, the block's own weights only); with F16=1 a float16 copy goes to
-# RUN_DIR/block-f16 (the size to ship). Decode with it:
+# block.safetensors, the block's own weights only); `python -m circuits_llm.app.head_cache ship`
+# stores it in float16 in heads_shipped/ (the command is printed at the end). Decode with it:
 #   SpeculativeDecoder(model, BlockDrafter(load_trained_block(RUN_DIR, model)))
 #
 #   scripts/train_draft_block.sh [RUN_ROOT]      (default: runs/draft-block)
@@ -16,7 +16,7 @@
 # (smollm2: the demo's GGUF; or any --model reference), TOKENS (training tokens, i.e. prefill
 # positions of the feature cache: 524,288 = 4,096 windows of 128), STEPS (1,500), BATCH_SIZE (8),
 # LR (5e-4), LAYERS (1), INIT (identity | last_layer), MINUTES (a time cap on the whole run,
-# feature prefill included: 90 on the CPU; unset on a GPU), F16 (1: write the float16 copy).
+# feature prefill included: 90 on the CPU; unset on a GPU).
 #
 # Budget on the 2-core CPU of the project's machine (2 threads; estimates, not yet measured on
 # SmolLM2): the prefill of the 0.5M positions at 2-5 ms a position is 20-40 minutes (once: the
@@ -63,22 +63,4 @@ echo "== train-head --draft-block ($TOKENS positions, $STEPS steps of $BATCH_SIZ
   --eval-every 250 --eval-windows 64 --device "$DEVICE" --threads "$THREADS" --no-progress \
   "${LIMIT[@]}"
 
-if [ "${F16:-1}" = 1 ]; then
-  "$PY" - "$RUN" "$MODEL" <<'EOF'
-import sys
-from pathlib import Path
-
-import torch
-
-from circuits_llm.draft_block.io import BLOCK_TENSORS_FILE, save_draft_block
-from circuits_llm.text.models import load_model
-from circuits_llm.training.block_trainer import load_trained_block
-
-run, spec = Path(sys.argv[1]), sys.argv[2]
-model = load_model(spec).model
-target = save_draft_block(load_trained_block(run, model), run / "block-f16", model,
-                          storage_dtype=torch.float16)
-size = (target / BLOCK_TENSORS_FILE).stat().st_size
-print(f"float16 block: {target} ({size / 2**20:.1f} MiB)")
-EOF
-fi
+echo "float16 and shipped (at most 20 MB, verified on load): python -m circuits_llm.app.head_cache ship "$RUN" --name smollm2-block --model "$MODEL""
