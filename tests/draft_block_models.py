@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.draft_block import BlockCacheFollower, BlockInit, DraftBlock
+from circuits_llm.draft_block.training import BlockFeatures, prefill_features
 from circuits_llm.heads import MTPHead
 
 
@@ -126,3 +127,20 @@ def count_first_steps(follower: BlockCacheFollower) -> list[int]:
 
     follower.first_step = counted  # type: ignore[method-assign]
     return calls
+
+
+def greedy_generate(model: LlamaForCausalLM, prompt: list[int], count: int) -> list[int]:
+    """``count`` tokens of ``model``'s plain greedy continuation of ``prompt`` (the reference
+    every greedy decoder must equal)."""
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=count,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy_continuation_features(model: LlamaForCausalLM) -> BlockFeatures:
+    """Prefill features of ``model``'s own greedy continuations of 16 random 3-token prompts
+    (20 tokens each): training data on which a block learns the model's greedy law."""
+    prompts = torch.randint(0, 48, (16, 3), generator=torch.Generator().manual_seed(0))
+    ids = model.generate(prompts, do_sample=False, max_new_tokens=20, pad_token_id=0,
+                         eos_token_id=None)
+    return prefill_features(HFBackbone(model), ids)

@@ -24,7 +24,13 @@ from typing import Any
 
 import pytest
 import torch
-from draft_block_models import NextTokenLogits, perturbed_block, tiny_llama
+from draft_block_models import (
+    NextTokenLogits,
+    greedy_continuation_features,
+    greedy_generate,
+    perturbed_block,
+    tiny_llama,
+)
 from toy import add_outcomes, continuation_law, law_p_value, target_law, total_variation
 
 from circuits_llm.backbone import HFBackbone
@@ -37,7 +43,7 @@ from circuits_llm.decoding.metrics import BatchResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, target_probs, warp_logits
 from circuits_llm.draft_block import BlockCacheFollower, BlockCircuitDrafter, BlockDrafter, DraftBlock
 from circuits_llm.draft_block import batch as block_batch
-from circuits_llm.draft_block.training import BlockFeatures, prefill_features, train_block
+from circuits_llm.draft_block.training import BlockFeatures, train_block
 from circuits_llm.heads import MTPHead
 from circuits_llm.training.block_circuit import train_block_head
 
@@ -49,18 +55,13 @@ WARPS = {"temperature": SamplingConfig(1.0), "top_k": SamplingConfig(0.7, top_k=
 
 
 def _generate(prompt: list[int], count: int) -> list[int]:
-    out = MODEL.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=count,
-                         pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    return greedy_generate(MODEL, prompt, count)
 
 
 @pytest.fixture(scope="module")
 def greedy_features() -> BlockFeatures:
     """Prefill features of the model's own greedy continuations of random prompts."""
-    prompts = torch.randint(0, 48, (16, 3), generator=torch.Generator().manual_seed(0))
-    ids = MODEL.generate(prompts, do_sample=False, max_new_tokens=20, pad_token_id=0,
-                         eos_token_id=None)
-    return prefill_features(HFBackbone(MODEL), ids)
+    return greedy_continuation_features(MODEL)
 
 
 @pytest.fixture(scope="module")

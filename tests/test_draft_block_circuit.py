@@ -13,7 +13,13 @@ from collections import defaultdict
 import pytest
 import torch
 from cuda_graph_double import CudaGraphDouble
-from draft_block_models import NextTokenLogits, perturbed_block, tiny_llama
+from draft_block_models import (
+    NextTokenLogits,
+    greedy_continuation_features,
+    greedy_generate,
+    perturbed_block,
+    tiny_llama,
+)
 from toy import add_outcomes, continuation_law, law_p_value, stand_in_marginal, target_law, total_variation
 
 from circuits_llm.backbone import HFBackbone
@@ -56,18 +62,13 @@ def _head(model: torch.nn.Module, kind: str, window: int, vocab: list[int] | Non
 
 
 def _generate(prompt: list[int], count: int) -> list[int]:
-    out = MODEL.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=count,
-                         pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    return greedy_generate(MODEL, prompt, count)
 
 
 @pytest.fixture(scope="module")
 def greedy_features() -> BlockFeatures:
     """Prefill features of the model's own greedy continuations of random prompts."""
-    prompts = torch.randint(0, 48, (16, 3), generator=torch.Generator().manual_seed(0))
-    ids = MODEL.generate(prompts, do_sample=False, max_new_tokens=20, pad_token_id=0,
-                         eos_token_id=None)
-    return prefill_features(HFBackbone(MODEL), ids)
+    return greedy_continuation_features(MODEL)
 
 
 @pytest.mark.parametrize("kind", ["ff", "btree"])
