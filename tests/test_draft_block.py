@@ -113,3 +113,22 @@ def test_drafter_meets_the_contract_and_bad_inputs_raise_one_clear_error() -> No
         SpeculativeDecoder(MODEL, drafter, draft_length=DraftLength.fixed(4))
     with pytest.raises(DecoderError, match=r"DraftHead.*ContextDrafter"):
         SpeculativeDecoder(MODEL, block)  # the block's weights alone: pass BlockDrafter(block)
+
+
+def test_compressed_readout_is_gathered_once_and_follows_the_lm_head() -> None:
+    """The draft vocabulary's LM-head rows are gathered once (a gather per call cost more than a
+    backbone step on a column-major weight), equal the full logits' columns, and are gathered
+    again after the LM head's weight changes in place."""
+    model = tiny_llama(seed=3)
+    vocab = list(range(1, 48, 3))
+    block = perturbed_block(model, draft_vocab=vocab)
+    output = torch.randn(2, 5, 32, dtype=torch.float64)
+    first, _ = block.readout()
+    assert block.readout()[0] is first  # kept, not gathered again
+    full = torch.nn.functional.linear(model.model.norm(output), model.lm_head.weight)
+    torch.testing.assert_close(block.logits(output), full[..., vocab], rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    assert block.readout()[0] is not first
+    torch.testing.assert_close(block.logits(output), 2.0 * full[..., vocab], rtol=1e-12,
+                               atol=1e-12)

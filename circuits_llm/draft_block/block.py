@@ -265,12 +265,30 @@ class DraftBlock(nn.Module):
     def logits(self, output: Tensor) -> Tensor:
         """(..., d) block outputs -> (..., K) logits over the draft vocabulary: the target's final
         norm, then the rows of its LM head for the draft tokens."""
-        head = self.target.lm_head
         normed = output if self.target.final_norm is None else self.target.final_norm(output)
-        weight, bias = head.weight.detach(), getattr(head, "bias", None)  # frozen, shared
-        bias = None if bias is None else bias.detach()
-        if self.draft_tokens is not None:
-            rows = self.draft_tokens.to(weight.device)
-            weight = weight.index_select(0, rows)
-            bias = None if bias is None else bias.index_select(0, rows)
+        weight, bias = self.readout()
         return nn.functional.linear(normed.to(weight.dtype), weight, bias)
+
+    def readout(self) -> tuple[Tensor, Tensor | None]:
+        """The LM head's rows for the draft vocabulary: weight (K, d) contiguous and bias (K,) or
+        ``None``, detached (the target is frozen).
+
+        With a compressed vocabulary the rows are gathered once and kept, and gathered again only
+        when the LM head's weight changed (its storage, in-place version, device or dtype): a
+        gather per call costs more than the product itself, and on a column-major weight
+        (:mod:`~circuits_llm.backbone.weight_layout`) 40 ms for SmolLM2's 8,192 rows, more than a
+        whole backbone step on the CPU it was measured on."""
+        head = self.target.lm_head
+        weight, bias = head.weight.detach(), getattr(head, "bias", None)
+        bias = None if bias is None else bias.detach()
+        if self.draft_tokens is None:
+            return weight, bias
+        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype,
+               None if bias is None else (bias.data_ptr(), bias._version))
+        kept = self.__dict__.get("_readout")
+        if kept is None or kept[0] != key:
+            rows = self.draft_tokens.to(weight.device)
+            kept = (key, weight.index_select(0, rows).contiguous(),
+                    None if bias is None else bias.index_select(0, rows))
+            self.__dict__["_readout"] = kept  # a plain attribute: not a buffer, never saved
+        return kept[1], kept[2]
