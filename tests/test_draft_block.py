@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draft_block_models import perturbed_block, tiny_llama
+from draft_block_models import assert_cache_is_a_fresh_prefill, perturbed_block, tiny_llama
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.decoder import SpeculativeDecoder
@@ -109,6 +109,9 @@ def test_drafter_meets_the_contract_and_bad_inputs_raise_one_clear_error() -> No
                      block.new_cache())
     with pytest.raises(DraftBlockError, match="a DraftBlock"):
         BlockDrafter(MODEL)  # type: ignore[arg-type]
+    for steps in (0, -1, 2.0, True):
+        with pytest.raises(DraftBlockError, match="steps must be a positive integer"):
+            BlockDrafter(block, steps=steps)  # type: ignore[arg-type]
     with pytest.raises(DecoderError, match=r"DraftLength.fixed\(4\) asks for more drafts"):
         SpeculativeDecoder(MODEL, drafter, draft_length=DraftLength.fixed(4))
     with pytest.raises(DecoderError, match=r"DraftHead.*ContextDrafter"):
@@ -132,3 +135,24 @@ def test_compressed_readout_is_gathered_once_and_follows_the_lm_head() -> None:
     assert block.readout()[0] is not first
     torch.testing.assert_close(block.logits(output), 2.0 * full[..., vocab], rtol=1e-12,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("steps", [1, 6])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
+def test_recursion_runs_to_any_depth(steps: int, temperature: float) -> None:
+    """A block trained for 2 steps drafts 1 or 6 per round (shared weights): greedy output is
+    still ``generate``'s, and the block's cache still equals a fresh prefill."""
+    block = perturbed_block(MODEL, steps=2, draft_vocab=list(range(0, 48, 2)))
+    drafter = BlockDrafter(block, steps=steps)
+    assert drafter.window == steps + 1
+    decoder = SpeculativeDecoder(MODEL, drafter)
+    for prompt, count in CASES:
+        result = decoder.generate(prompt, count, temperature=temperature, eos_token_id=(),
+                                  generator=torch.Generator().manual_seed(5))
+        if temperature == 0:
+            assert result.tokens.tolist() == _generate(prompt, count)
+        assert max(r.drafted for r in result.rounds) <= steps
+        assert steps == 1 or count < 3 or any(r.drafted > 2 for r in result.rounds)
+        if len(prompt) + count > 2:
+            assert_cache_is_a_fresh_prefill(drafter, MODEL, prompt + result.tokens.tolist(),
+                                            drafter.window)

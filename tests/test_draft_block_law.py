@@ -83,10 +83,12 @@ def test_enumerated_law_equals_target_and_a_wrong_q_is_detected(warp: str) -> No
     assert total_variation(_decoder_law(block, 3, config, wrong_q=True), target) > 1e-3
 
 
-def test_sampled_generate_follows_the_target_law() -> None:
+@pytest.mark.parametrize(("trained", "steps"), [(2, None), (1, 2)],
+                         ids=["as-trained", "deeper-than-trained"])
+def test_sampled_generate_follows_the_target_law(trained: int, steps: int | None) -> None:
     config = WARPS["temperature"]
-    block = perturbed_block(MODEL, steps=2, draft_vocab=[0, 2, 3], noise=0.3)
-    decoder = SpeculativeDecoder(MODEL, BlockDrafter(block))
+    block = perturbed_block(MODEL, steps=trained, draft_vocab=[0, 2, 3], noise=0.3)
+    decoder = SpeculativeDecoder(MODEL, BlockDrafter(block, steps=steps))
     generator = torch.Generator().manual_seed(0)
     samples = [tuple(decoder.generate(PROMPT, 2, temperature=1.0, generator=generator,
                                       eos_token_id=()).tokens.tolist()) for _ in range(800)]

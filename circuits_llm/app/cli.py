@@ -1,11 +1,12 @@
-"""The ``circuits-llm`` command line: pretrain, export-model, train-head, demo, bench, generate.
+"""The ``circuits-llm`` command line: pretrain, export-model, train-head, demo, bench, generate, ship.
 
 Every subcommand that runs a model takes ``--device auto|cpu|cuda[:N]`` (:mod:`circuits_llm.runtime.devices`).
 ``train-head``, ``demo``, ``bench`` and ``generate`` take ``--model``: ``embedded``, a Hugging Face
 model directory, a ``.gguf`` file or a hub id in the local cache
 (:func:`circuits_llm.text.references.parse_model_reference`; nothing is downloaded), and read text through
 that model's own tokenizer (:mod:`circuits_llm.text.tokens`). ``pretrain`` and ``export-model`` make the
-embedded byte-level model, so they have none.
+embedded byte-level model, so they have none. ``ship`` writes a finished ``train-head`` run into the
+package's shipped heads (:func:`circuits_llm.app.shipping.add_ship_command`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_head_command(sub)
     from circuits_llm.app.commands import add_commands  # demo, bench, generate
     add_commands(sub)
+    from circuits_llm.app.shipping import add_ship_command
+    add_ship_command(sub)
     return parser
 
 

@@ -28,10 +28,12 @@ it, ``btree-block``) are found the same way, by kind and model identity
 (:func:`find_shipped_drafter`), and loaded on the model (:func:`shipped_drafter`,
 ``circuits_llm.shipped_drafter(loaded, "block")``: the drafter ``SpeculativeDecoder`` takes).
 
-``python -m circuits_llm.app.head_cache ship RUN_DIR --name NAME --model MODEL`` ships a finished
-run (:mod:`circuits_llm.app.shipping`: a head, or a ``--draft-block`` run's block, with
+``circuits-llm ship RUN_DIR --name NAME --model MODEL`` ships a finished run
+(:mod:`circuits_llm.app.shipping`: a head, or a ``--draft-block`` run's block, with
 ``--circuit-head DIR`` a head trained on it; ``scripts/train_demo_heads.sh`` ships the demo's
-heads).
+heads). ``python -m circuits_llm.app.head_cache ship ...``, its former spelling, still forwards
+to it (:func:`~circuits_llm.app.shipping.main`), with runpy's warning about running a module the
+package has already imported.
 """
 
 from __future__ import annotations
@@ -361,5 +363,5 @@ def find_cached_head(cache: Path, fingerprint: str, architecture: str,
 
 
 # ---------------------------------------------------------------------------- command line
-if __name__ == "__main__":
+if __name__ == "__main__":  # the former spelling of `circuits-llm ship`
     sys.exit(main())

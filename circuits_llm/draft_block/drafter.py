@@ -189,14 +189,28 @@ class BlockDrafter(BlockCacheFollower):
     step's law restricted to the tokens the automaton allows after the drafts so far:
     :meth:`BlockRoundProgram.constrained_draft`).
 
+    Args:
+        block: the draft block.
+        steps: ``k``, recursive drafts per round (default: the ``block.steps`` it was trained
+            for). The weights are shared across steps, so the recursion runs to any depth; beyond
+            the trained depths each further draft is accepted less often, and a longer window pays
+            where the text repeats (greedy decoding of code, with the context copy).
+
     Attributes:
         window: ``k + 1``: the verified token and the block's ``k`` recursive drafts.
         draft_tokens: the block's draft vocabulary (``None``: all ``V``).
+
+    Raises:
+        DraftBlockError: ``steps`` is not a positive integer.
     """
 
-    def __init__(self, block: DraftBlock) -> None:
+    def __init__(self, block: DraftBlock, steps: int | None = None) -> None:
         super().__init__(block)
-        self.window: int = block.window
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                                  or steps < 1):
+            raise DraftBlockError(f"steps must be a positive integer (recursive drafts per "
+                                  f"round), got {steps!r}")
+        self.window: int = block.window if steps is None else steps + 1
         self.draft_tokens: Tensor | None = block.draft_tokens
 
     def next_step(self, output: Tensor, token: Tensor) -> Tensor:

@@ -15,11 +15,10 @@ verified):
   the ``train-head`` run it came from (``record``: configuration, validation, history), which
   the demo's report shows.
 
-The heads are trained by ``scripts/train_demo_heads.sh`` and written here by
-``python -m circuits_llm.app.head_cache ship`` (:func:`write_shipped_head`). Finding the shipped
-head of a model is the application's (``circuits_llm.app.head_cache``: ``shipped_head``,
-``find_shipped_head``), which computes a model's identity; this module reads and writes the
-directories.
+The heads are trained by ``scripts/train_demo_heads.sh`` and written here by ``circuits-llm ship``
+(:func:`write_shipped_head`). Finding the shipped head of a model is the application's
+(``circuits_llm.app.head_cache``: ``shipped_head``, ``find_shipped_head``), which computes a
+model's identity; this module reads and writes the directories.
 
 **Layouts** (:class:`ShippedLayout`, the manifest's ``layout``; absent: ``head``). Besides a
 circuit head on the model's hidden state, a directory may ship a draft block (issue 44):
