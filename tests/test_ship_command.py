@@ -88,8 +88,8 @@ def test_ship_forwards_every_option_to_ship_run(entry: str, tmp_path: Path,
     calls: list[tuple[Any, ...]] = []
 
     def ship_run(run_dir: Path, out: Path, model_name: str, *, circuit_head: Path | None,
-                 head_record: Path | None) -> SimpleNamespace:
-        calls.append((run_dir, out, model_name, circuit_head, head_record))
+                 head_record: Path | None, draft_steps: int | None) -> SimpleNamespace:
+        calls.append((run_dir, out, model_name, circuit_head, head_record, draft_steps))
         return SimpleNamespace(directory=out, kind="btree-block", size_bytes=2_500_000,
                                manifest={"parameters": 1234})
 
@@ -97,9 +97,10 @@ def test_ship_forwards_every_option_to_ship_run(entry: str, tmp_path: Path,
     main = cli_main if entry == "circuits-llm" else hc.main
     assert main(["ship", str(tmp_path / "run"), "--name", "smollm2-x", "--model", "smollm2",
                  "--circuit-head", str(tmp_path / "head"), "--head-record",
-                 str(tmp_path / "h.json"), "--root", str(tmp_path / "root")]) == 0
+                 str(tmp_path / "h.json"), "--root", str(tmp_path / "root"),
+                 "--draft-steps", "5"]) == 0
     assert calls == [(tmp_path / "run", tmp_path / "root" / "smollm2-x", "smollm2",
-                      tmp_path / "head", tmp_path / "h.json")]
+                      tmp_path / "head", tmp_path / "h.json", 5)]
     out = capsys.readouterr().out
     assert "btree-block, 2.5 MB, 1,234 parameters" in out
 

@@ -211,6 +211,37 @@ def test_ship_writes_a_block_run_and_a_head_on_it(toy: dict, tmp_path: Path) -> 
                     str(tmp_path / "head"), "--root", str(tmp_path / "root")]) == 2
 
 
+def test_a_shipped_block_drafts_the_depth_it_shipped_with(toy: dict, tmp_path: Path) -> None:
+    """``ship --draft-steps K``: the recursive block's drafter drafts ``K`` a round by default
+    (still greedy-exact), a caller's ``steps`` wins, and misplaced or bad depths are one error."""
+    model, root = toy["model"], tmp_path / "root"
+    shipped = write_shipped_block(toy["block"], model, root / "deep", model_name="toy",
+                                  record=_record(model), draft_steps=5)
+    assert shipped.manifest["draft_steps"] == 5
+    shipped.verify()
+    drafter = hc.shipped_drafter(model, "block", root=root)
+    assert drafter.window == 6 and toy["block"].window == 4
+    assert hc.shipped_drafter(model, "block", root=root, steps=2).window == 3
+    for prompt in PROMPTS:
+        result = SpeculativeDecoder(model, drafter).generate(torch.tensor(prompt), 12,
+                                                             eos_token_id=())
+        assert result.tokens.tolist() == _plain(model, prompt, 12)
+    assert hc.shipped_drafter(model, "block", root=toy["root"]).window == 4  # none recorded
+    with pytest.raises(ShippedHeadError, match="steps must be a positive integer"):
+        hc.shipped_drafter(model, "block", root=root, steps=0)
+    with pytest.raises(ShippedHeadError, match="drafts its window of 3 in one pass"):
+        hc.shipped_drafter(model, "btree-block", root=toy["root"], steps=2)
+    for steps in (0, True):
+        with pytest.raises(ShippedHeadError, match="draft_steps"):
+            write_shipped_block(toy["block"], model, tmp_path / f"bad{steps}", model_name="toy",
+                                record=_record(model), draft_steps=steps)
+        assert not (tmp_path / f"bad{steps}").exists()  # refused before anything is written
+    with pytest.raises(ShippedHeadError, match="leave it out"):
+        write_shipped_block(toy["block"], model, tmp_path / "with-head", model_name="toy",
+                            record=_record(model), head=toy["head"], draft_steps=2)
+    assert not (tmp_path / "with-head").exists()
+
+
 # ---------------------------------------------------------------------------- demo settings
 def test_the_demo_compares_the_blocks_and_the_options_parse() -> None:
     demo = demo_module.ComparisonConfig.demo()
@@ -222,6 +253,10 @@ def test_the_demo_compares_the_blocks_and_the_options_parse() -> None:
     assert comparison_config(args, demo_module.ComparisonConfig.bench()).blocks == ()
     with pytest.raises(DemoError, match="--blocks names draft blocks"):
         comparison_config(parser.parse_args(["demo", "--blocks", "ff"]), demo)
+    assert demo.block_draft_confidence is None and demo.draft_confidence == 0.3
+    for given, rule in (("0.4", 0.4), ("0", None)):
+        args = parser.parse_args(["demo", "--block-draft-confidence", given])
+        assert comparison_config(args, demo).block_draft_confidence == rule
 
 
 def test_block_decoders_take_the_comparison_options_or_say_why_not(toy: dict) -> None:

@@ -175,6 +175,9 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--token-input", type=_head_names, metavar="HEADS",
                         help="comma-separated head kinds whose heads also read the verified "
                              "token's embedding (e.g. ff,btree; '' for none)")
+    tuning.add_argument("--block-draft-confidence", type=_probability, metavar="TAU",
+                        help="the draft blocks' rounds verify only the drafts the block is at "
+                             "least TAU confident in (default, 0: every draft)")
     tuning.add_argument("--draft-confidence", type=_probability, metavar="TAU",
                         help="verify only the drafts the head is this confident in (exact; "
                              "0: every draft)")
@@ -207,13 +210,15 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
 def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> ComparisonConfig:
     """``base`` with every override given on the command line."""
     names = ("blocks", "window", "rank", "variant", "lora_layers", "token_input",
-             "draft_confidence", "draft_minimum", "lookup", "train_steps", "train_seconds",
+             "draft_confidence", "draft_minimum", "block_draft_confidence", "lookup",
+             "train_steps", "train_seconds",
              "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_set",
              "prompt_bytes",
              "new_tokens", "temperature")
     changes: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    if changes.get("draft_confidence") == 0:  # 0: every round verifies the whole window
-        changes["draft_confidence"] = None
+    for rule in ("draft_confidence", "block_draft_confidence"):
+        if changes.get(rule) == 0:  # 0: every round verifies the whole window
+            changes[rule] = None
     if changes.get("lookup") == ():
         changes["lookup"] = None
     if args.plain_linear:

@@ -103,6 +103,11 @@ class ComparisonConfig:
         draft_minimum: the fewest drafts a round verifies under ``draft_confidence`` (0: a round
             whose head is unsure even of its first draft is a plain one-token step, cheaper than a
             block of 2 where a verify block costs more per token).
+        block_draft_confidence: the draft blocks' rounds verify only the drafts the block is
+            confident in (``DraftLength.confident(block_draft_confidence,
+            minimum=draft_minimum)``); None: every draft (the blocks' drafts cost little and a
+            recursive block's sampled drafts are accepted often, so at T = 1 the heads' rule cut
+            more accepted tokens than verify time: docs/results.md, "Draft blocks").
         lookup: every speculative decoder mixes a copy of the context into its drafts with these
             weights per matched n-gram length
             (:class:`~circuits_llm.decoding.lookup.ContextLookup`, exact); None: the heads alone.
@@ -158,6 +163,7 @@ class ComparisonConfig:
     token_input: tuple[str, ...] = ()
     draft_confidence: float | None = None
     draft_minimum: int = 1
+    block_draft_confidence: float | None = None
     lookup: tuple[float, ...] | None = None
     draft_vocab: int | None = None
     train_steps: int = 5000
@@ -292,6 +298,8 @@ def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig,
     from circuits_llm.decoding.lookup import ContextLookup
     rule = None if config.draft_confidence is None else \
         DraftLength.confident(config.draft_confidence, minimum=config.draft_minimum)
+    block_rule = None if config.block_draft_confidence is None else \
+        DraftLength.confident(config.block_draft_confidence, minimum=config.draft_minimum)
     lookup = None if config.lookup is None else ContextLookup(tuple(config.lookup))
     if not config.compile:
         decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}
@@ -299,7 +307,7 @@ def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig,
                                                     lookup=lookup, compile=config.compile_rounds)
                          for h in heads})
         decoders.update(block_decoders(blocks, lambda: HFBackbone(loaded.model),
-                                       draft_length=rule, lookup=lookup,
+                                       draft_length=block_rule, lookup=lookup,
                                        compile=config.compile_rounds, log=log))
         return decoders
     lengths = sorted({1, config.window, *(b.drafter.window for b in blocks)})
@@ -309,7 +317,7 @@ def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig,
         backbone = shared if h.backbone.lora_layers == 0 else h.backbone
         decoders[h.name] = SpeculativeDecoder(backbone, h.head, compile=True, draft_length=rule,
                                               lookup=lookup)
-    decoders.update(block_decoders(blocks, lambda: shared, draft_length=rule, lookup=lookup,
+    decoders.update(block_decoders(blocks, lambda: shared, draft_length=block_rule, lookup=lookup,
                                    compile=True, log=log))
     return decoders
 

@@ -49,6 +49,8 @@ def block_window(shipped: ShippedHead) -> int:
     circuit head's), read from its manifest before anything is loaded."""
     if shipped.layout is ShippedLayout.BLOCK_HEAD:
         return int(shipped.manifest["head"]["window"])
+    if shipped.manifest.get("draft_steps") is not None:  # the depth it shipped to draft at
+        return int(shipped.manifest["draft_steps"]) + 1
     try:  # the block's recursive steps, and the verified token
         config = json.loads((shipped.directory / BLOCK_FILES[0]).read_text(encoding="utf-8"))
         return int(config["steps"]) + 1
@@ -102,9 +104,10 @@ def block_decoders(blocks: Sequence[ReadyBlock], backbone: Callable[[], Any], *,
                    draft_length: Any, lookup: Any, compile: bool,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """A speculative decoder per block, on ``backbone()`` (a fresh or shared backbone), with the
-    comparison's ``draft_length`` rule and ``lookup`` when the decoder takes them for a draft
-    block; refused, the block's decoder goes without them (logged, and recorded in the block's
-    record as ``decoding``)."""
+    blocks' ``draft_length`` rule (``None``: every draft verified;
+    :attr:`~circuits_llm.app.demo.ComparisonConfig.block_draft_confidence`) and the comparison's
+    ``lookup`` when the decoder takes them for a draft block; refused, the block's decoder goes
+    without them (logged, and recorded in the block's record as ``decoding``)."""
     from circuits_llm.decoding.decoder import SpeculativeDecoder
     from circuits_llm.decoding.warping import DecoderError
     decoders: dict[str, Any] = {}
@@ -115,7 +118,7 @@ def block_decoders(blocks: Sequence[ReadyBlock], backbone: Callable[[], Any], *,
                                                       **options)
             ready.record["decoding"] = {"lookup": lookup is not None,
                                         "draft_length": "fixed" if draft_length is None
-                                        else "as the heads'", "refused": None}
+                                        else draft_length.describe(), "refused": None}
         except DecoderError as error:
             decoders[ready.name] = SpeculativeDecoder(backbone(), ready.drafter, compile=compile)
             ready.record["decoding"] = {"lookup": False, "draft_length": "fixed",

@@ -55,6 +55,7 @@ from circuits_llm.heads.shipped import (
     ShippedHeadError,
     ShippedLayout,
     block_kind,
+    check_draft_steps,
     prepare_shipped_dir,
     shipped_heads,
     write_shipped_head,
@@ -131,7 +132,8 @@ def _head_summary(head: MTPHead, record: Mapping[str, Any] | None) -> dict[str, 
 
 def write_shipped_block(block: DraftBlock, model: PreTrainedModel, out: str | Path, *,
                         model_name: str, record: Mapping[str, Any], head: MTPHead | None = None,
-                        head_record: Mapping[str, Any] | None = None) -> ShippedHead:
+                        head_record: Mapping[str, Any] | None = None,
+                        draft_steps: int | None = None) -> ShippedHead:
     """Write ``block`` (and ``head``, a circuit head on its outputs) as a shipped drafter in
     ``out``: the block's files and the head's (float16, :data:`SHIPPED_STORAGE`), then
     ``shipped.json`` with every file's checksum.
@@ -143,12 +145,19 @@ def write_shipped_block(block: DraftBlock, model: PreTrainedModel, out: str | Pa
         record: the ``train-head --draft-block`` run's record (``training.json``).
         head: a circuit head that reads the block's outputs (of a registered kind), or None.
         head_record: how ``head`` was trained (any JSON object), kept in the manifest.
+        draft_steps: without ``head``, the recursive drafts per round the shipped drafter takes by
+            default (``None``: the block's trained depth): the weights are shared across steps,
+            and the depth that decodes fastest can exceed the trained one (docs/results.md).
 
     Raises:
         ShippedHeadError: a head of no registered kind or that cannot read the block, ``out``
-            holds something else, or the directory would exceed 20 MB.
+            holds something else, the directory would exceed 20 MB, or ``draft_steps`` is given
+            with a head or is not a positive integer.
     """
     out = Path(out)
+    if draft_steps is not None and head is not None:
+        raise ShippedHeadError("draft_steps sets the recursion's depth; a circuit head on the "
+                               "block drafts its own window in one pass: leave it out")
     if head is not None:
         if head.architecture is None:
             raise ShippedHeadError("only heads of a registered kind are shipped; this one has a "
@@ -158,6 +167,7 @@ def write_shipped_block(block: DraftBlock, model: PreTrainedModel, out: str | Pa
         except DraftBlockError as error:
             raise ShippedHeadError(f"the circuit head cannot read the block: {error}") from None
     layout = ShippedLayout.BLOCK if head is None else ShippedLayout.BLOCK_HEAD
+    check_draft_steps(draft_steps, layout)  # before anything is written
     prepare_shipped_dir(out, layout)
     save_draft_block(block, out, model, storage_dtype=SHIPPED_STORAGE)
     parameters = sum(p.numel() for p in block.parameters())
@@ -169,7 +179,7 @@ def write_shipped_block(block: DraftBlock, model: PreTrainedModel, out: str | Pa
     return write_shipped_manifest(
         out, layout, kind=block_kind(None if head is None else head.architecture),
         model_name=model_name, model_identity=backbone_identity(model), record=record,
-        parameters=parameters, head=summary)
+        parameters=parameters, head=summary, draft_steps=draft_steps)
 
 
 def _circuit_head(source: Path, model: PreTrainedModel, head_record: Path | None
@@ -222,8 +232,8 @@ def _check_trained_on(record: Mapping[str, Any] | None, run_dir: Path) -> None:
 
 
 def ship_block(run_dir: Path, out: Path, model_name: str, *, circuit_head: Path | None = None,
-               head_record: Path | None = None, model: PreTrainedModel | None = None
-               ) -> ShippedHead:
+               head_record: Path | None = None, model: PreTrainedModel | None = None,
+               draft_steps: int | None = None) -> ShippedHead:
     """Write the block of a finished ``train-head --draft-block`` run (and, with
     ``circuit_head``, a circuit head trained on it) as a shipped drafter in ``out``.
 
@@ -234,6 +244,8 @@ def ship_block(run_dir: Path, out: Path, model_name: str, *, circuit_head: Path 
         circuit_head: a ``save_head`` directory (or a run directory with ``head/``).
         head_record: a JSON file saying how the circuit head was trained (default: the run
             directory's ``training.json`` when ``circuit_head`` is one).
+        draft_steps: the recursive drafts per round of the shipped drafter by default
+            (:func:`write_shipped_block`).
 
     Raises:
         ShippedHeadError: the run is not a draft-block run, or what :func:`write_shipped_block`
@@ -256,29 +268,35 @@ def ship_block(run_dir: Path, out: Path, model_name: str, *, circuit_head: Path 
         _circuit_head(Path(circuit_head), model, head_record)
     _check_trained_on(trained, run_dir)
     return write_shipped_block(block, model, out, model_name=model_name, record=record,
-                               head=head, head_record=trained)
+                               head=head, head_record=trained, draft_steps=draft_steps)
 
 
 def ship_run(run_dir: Path, out: Path, model_name: str, *, circuit_head: Path | None = None,
-             head_record: Path | None = None) -> ShippedHead:
+             head_record: Path | None = None, draft_steps: int | None = None) -> ShippedHead:
     """:func:`ship_block` for a draft-block run, else :func:`ship_head`."""
     from circuits_llm.training import read_record
     if read_record(run_dir)["config"].get("draft_block"):
         return ship_block(run_dir, out, model_name, circuit_head=circuit_head,
-                          head_record=head_record)
-    if circuit_head is not None or head_record is not None:
-        raise ShippedHeadError(f"--circuit-head and --head-record go with a draft-block run; "
-                               f"{run_dir} trained a circuit head")
+                          head_record=head_record, draft_steps=draft_steps)
+    if circuit_head is not None or head_record is not None or draft_steps is not None:
+        raise ShippedHeadError(f"--circuit-head, --head-record and --draft-steps go with a "
+                               f"draft-block run; {run_dir} trained a circuit head")
     return ship_head(run_dir, out, model_name)
 
 
 # ---------------------------------------------------------------------------- reading
-def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel) -> ShippedDrafter:
+def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
+                         steps: int | None = None) -> ShippedDrafter:
     """The drafter of a shipped ``block`` or ``block_head`` directory, on ``model`` (the model
     it was trained for; its device), every file verified first.
 
+    A recursive block drafts ``steps`` per round (``None``: the manifest's ``draft_steps``, the
+    depth measured fastest when it was shipped, else the block's trained depth).
+
     Raises:
-        ShippedHeadError: a directory that ships no block, or damaged files (reinstall).
+        ShippedHeadError: a directory that ships no block, damaged files (reinstall), or
+            ``steps`` for a circuit head on a block (whose head drafts its own window) or not a
+            positive integer.
     """
     if not shipped.layout.has_block:
         raise ShippedHeadError(f"the shipped {shipped.name} is a circuit head, not a draft "
@@ -290,7 +308,15 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel) -> Shippe
         raise ShippedHeadError(f"the shipped draft block {shipped.name} cannot be loaded "
                                f"({error}); reinstall circuits-llm") from None
     if shipped.layout is ShippedLayout.BLOCK:
-        return BlockDrafter(block)
+        try:
+            return BlockDrafter(block, shipped.manifest.get("draft_steps") if steps is None
+                                else steps)
+        except DraftBlockError as error:
+            raise ShippedHeadError(str(error)) from None
+    if steps is not None:
+        raise ShippedHeadError(f"steps sets a recursive block's depth; the shipped {shipped.name} "
+                               f"is a circuit head on a block, which drafts its window of "
+                               f"{shipped.manifest['head']['window']} in one pass: leave it out")
     head = shipped.load(block.fuse.weight.device)
     try:
         return BlockCircuitDrafter(block, head)
@@ -330,7 +356,7 @@ def no_drafter_message(kind: str, model: str, root: Path | None = None) -> str:
 
 
 def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
-                    root: Path | None = None) -> ShippedDrafter:
+                    root: Path | None = None, steps: int | None = None) -> ShippedDrafter:
     """The package's shipped draft block of ``kind`` for ``model``, as the drafter
     :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder` takes in place of a head::
 
@@ -347,10 +373,12 @@ def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
         kind: ``block`` (recursive drafting, FastMTP) or ``<head kind>-block`` (a circuit head
             on the block's output, e.g. ``btree-block``).
         root: the shipped-heads directory (default: the package's).
+        steps: ``block`` only: recursive drafts per round (default: what the block shipped with,
+            :func:`load_shipped_drafter`).
 
     Raises:
         NoHeadError: no such block ships for this model (the message says how to train one).
-        ShippedHeadError: its files are damaged (reinstall).
+        ShippedHeadError: its files are damaged (reinstall), or ``steps`` does not fit the kind.
     """
     kind = str(kind).lower()
     if isinstance(model, (str, Path)):
@@ -363,7 +391,7 @@ def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
     if found is None:
         name = model.source if isinstance(model, LoadedModel) else "MODEL"
         raise NoHeadError(no_drafter_message(kind, name, root))
-    return load_shipped_drafter(found, _hf_model(model))
+    return load_shipped_drafter(found, _hf_model(model), steps)
 
 
 # ---------------------------------------------------------------------------- command line
@@ -386,7 +414,8 @@ def _ship(args: argparse.Namespace) -> int:
                                    f"and '-' that starts with a letter or digit (e.g. "
                                    f"smollm2-btree), got {args.name!r}")
         shipped = ship_run(args.run_dir, args.root / args.name, args.model,
-                           circuit_head=args.circuit_head, head_record=args.head_record)
+                           circuit_head=args.circuit_head, head_record=args.head_record,
+                           draft_steps=args.draft_steps)
     except (ShippedHeadError, CheckpointError, ModelLoadError) as error:
         print(f"{_PROGRAM}: error: {error}", file=sys.stderr)
         return 2
@@ -422,6 +451,9 @@ def add_ship_command(sub: Any) -> argparse.ArgumentParser:
     ship.add_argument("--head-record", type=Path, default=None, metavar="FILE",
                       help="a JSON file saying how the circuit head was trained (kept in "
                            "shipped.json)")
+    ship.add_argument("--draft-steps", type=int, default=None,
+                      help="a recursive draft block only: its drafts per round by default "
+                           "(default: the depth it was trained for)")
     ship.add_argument("--root", type=Path, default=SHIPPED_DIR,
                       help=f"shipped-heads directory (default: {SHIPPED_DIR})")
     ship.set_defaults(run=_ship)

@@ -59,9 +59,9 @@ from circuits_llm.heads.io import CONFIG_FILE, TENSORS_FILE, load_head, save_hea
 
 __all__ = ["BLOCK_FILES", "BLOCK_KIND", "HEAD_FILES", "SHIPPED_DIR", "SHIPPED_FORMAT",
            "SHIPPED_LIMIT_BYTES", "SHIPPED_MANIFEST", "SHIPPED_STORAGE", "SHIPPED_VERSION",
-           "ShippedHead", "ShippedHeadError", "ShippedLayout", "block_kind", "is_block_kind",
-           "prepare_shipped_dir", "read_shipped_head", "shipped_heads", "write_shipped_head",
-           "write_shipped_manifest"]
+           "ShippedHead", "ShippedHeadError", "ShippedLayout", "block_kind", "check_draft_steps",
+           "is_block_kind", "prepare_shipped_dir", "read_shipped_head", "shipped_heads",
+           "write_shipped_head", "write_shipped_manifest"]
 
 #: Where the package's shipped heads live.
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "heads_shipped"
@@ -303,10 +303,24 @@ def prepare_shipped_dir(out: Path, layout: ShippedLayout) -> None:
         (out / name).unlink(missing_ok=True)
 
 
+def check_draft_steps(draft_steps: int | None, layout: ShippedLayout) -> None:
+    """Check a manifest's ``draft_steps`` before anything is written: ``None``, or a positive
+    integer for a recursive block (:attr:`ShippedLayout.BLOCK`).
+
+    Raises:
+        ShippedHeadError: otherwise (the message says why).
+    """
+    if draft_steps is not None and (layout is not ShippedLayout.BLOCK or isinstance(
+            draft_steps, bool) or not isinstance(draft_steps, int) or draft_steps < 1):
+        raise ShippedHeadError(f"draft_steps (recursive drafts per round) goes with a recursive "
+                               f"draft block and is a positive integer; got {draft_steps!r} for a "
+                               f"{layout.value} layout")
+
+
 def write_shipped_manifest(out: Path, layout: ShippedLayout, *, kind: str, model_name: str,
                            model_identity: Mapping[str, str], record: Mapping[str, Any],
-                           parameters: int, head: Mapping[str, Any] | None = None
-                           ) -> ShippedHead:
+                           parameters: int, head: Mapping[str, Any] | None = None,
+                           draft_steps: int | None = None) -> ShippedHead:
     """Write ``out/shipped.json`` (atomically, last) for the files of ``layout`` already in
     ``out``, with their SHA-256 and the manifest's own, then read it back.
 
@@ -316,11 +330,15 @@ def write_shipped_manifest(out: Path, layout: ShippedLayout, *, kind: str, model
         record: the ``train-head`` run's record (``training.json``, with its ``config``).
         parameters: the trained parameters shipped.
         head: for :attr:`ShippedLayout.BLOCK_HEAD`, what the circuit head is.
+        draft_steps: for :attr:`ShippedLayout.BLOCK`, the recursive drafts per round its drafter
+            takes by default (``None``: the depth the block was trained for).
 
     Raises:
-        ShippedHeadError: a file of the layout is missing, or the directory would exceed
-            :data:`SHIPPED_LIMIT_BYTES`.
+        ShippedHeadError: a file of the layout is missing, the directory would exceed
+            :data:`SHIPPED_LIMIT_BYTES`, or ``draft_steps`` is given for another layout or is
+            not a positive integer.
     """
+    check_draft_steps(draft_steps, layout)
     missing = [name for name in layout.files if not (out / name).is_file()]
     if missing:
         raise ShippedHeadError(f"{out} lacks {missing} of a {layout.value} layout")
@@ -337,6 +355,8 @@ def write_shipped_manifest(out: Path, layout: ShippedLayout, *, kind: str, model
         "files": {name: sha256_file(out / name) for name in layout.files}}
     if head is not None:
         manifest["head"] = dict(head)
+    if draft_steps is not None:
+        manifest["draft_steps"] = draft_steps
     # through JSON once, so that the checksum is that of what a reader parses
     manifest = json.loads(json.dumps(manifest, allow_nan=True))
     manifest["manifest_sha256"] = _manifest_sha256(manifest)
