@@ -1,7 +1,8 @@
 """Batched speculative decoding against batched autoregressive decoding: throughput over the batch.
 
 Run ``python -m benchmarks.batch_bench [--quick] [--batch-sizes 1,2,4,8,16] [--new-tokens N]
-[--repeats R] [--threads T] [--device cpu] [--modes greedy,sampling] [--block DIR] [--out PATH]``.
+[--repeats R] [--threads T] [--device cpu] [--modes greedy,sampling] [--block KIND|DIR]
+[--block-steps K] [--out PATH]``.
 
 For every batch size ``B`` and mode (greedy, and sampling at ``T = 1``: no top-k, no top-p), the
 same ``B`` prompts (held-out code prefixes of different lengths) are decoded by
@@ -9,8 +10,9 @@ same ``B`` prompts (held-out code prefixes of different lengths) are decoded by
 * ``speculative``: :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder` with the shipped
   head (``circuits_llm.shipped_head(model, head)``) and the demo's decoding settings (draft
   confidence 0.3, minimum 0, the context copy): one backbone call per round for the batch, drafts
-  in one head pass per round (:mod:`circuits_llm.decoding.batch`); with ``--block DIR`` (a
-  ``train-head --draft-block`` run directory) the draft block's recursive drafts instead
+  in one head pass per round (:mod:`circuits_llm.decoding.batch`); with ``--block KIND|DIR`` (a
+  shipped draft block, ``block`` or ``btree-block``, or a ``train-head --draft-block`` run
+  directory; ``--block-steps K`` sets the recursion's depth) the draft block's drafts instead
   (:class:`~circuits_llm.draft_block.BlockDrafter`, one block state per row:
   :mod:`circuits_llm.draft_block.batch`; no draft-length rule, no copy);
 * ``autoregressive``: this project's batched autoregressive decoder (one call per token for the
@@ -89,6 +91,7 @@ class BatchBenchConfig:
     window: int = 4
     modes: tuple[str, ...] = tuple(MODES)
     block: str | None = None
+    block_steps: int | None = None
 
     @classmethod
     def quick(cls, threads: int = 1, device: str = "cpu") -> BatchBenchConfig:
@@ -139,9 +142,14 @@ def load_head(config: BatchBenchConfig, loaded: Any, device: torch.device) -> An
     """The run's head: a trained draft block's recursive drafter (``config.block``), the shipped
     ``config.head`` for the model, or a random BTree head."""
     if config.block is not None:
+        from circuits_llm.heads.shipped import is_block_kind
+        if is_block_kind(config.block) and not Path(config.block).is_dir():
+            from circuits_llm import shipped_drafter
+            return shipped_drafter(loaded, config.block, steps=config.block_steps)
         from circuits_llm.draft_block import BlockDrafter
         from circuits_llm.training.block_trainer import load_trained_block
-        return BlockDrafter(load_trained_block(config.block, loaded.model).to(device))
+        return BlockDrafter(load_trained_block(config.block, loaded.model).to(device),
+                            steps=config.block_steps)
     if config.head != "random":
         from circuits_llm import shipped_head
         return shipped_head(config.model, config.head, device=device).eval()
@@ -363,14 +371,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch's default linear kernels (default: packed for verify blocks)")
     parser.add_argument("--modes", default=None, help="comma-separated of greedy, sampling")
     parser.add_argument("--block", default=None,
-                        help="a train-head --draft-block run directory: draft with its block")
+                        help="draft with a draft block: a shipped kind (block, btree-block) or a "
+                             "train-head --draft-block run directory")
+    parser.add_argument("--block-steps", type=int, default=None,
+                        help="a recursive block's drafts per round (default: the shipped block's, "
+                             "or a run's trained depth)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     config = BatchBenchConfig.quick(args.threads, args.device) if args.quick else \
         BatchBenchConfig(threads=args.threads, device=args.device)
     changes: dict[str, Any] = {name: getattr(args, name) for name in
                                ("model", "head", "new_tokens", "prompt_tokens", "repeats",
-                                "block")
+                                "block", "block_steps")
                                if getattr(args, name) is not None}
     if args.batch_sizes is not None:
         changes["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))

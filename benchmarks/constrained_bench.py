@@ -24,6 +24,10 @@ thread, in one process:
   copy proposes no draftable token (:mod:`~circuits_llm.decoding.constraint_path`: the text the
   automaton fixes, and at its choices what the output chose last time;
   ``ContextLookup(constraint_weight=0.5)``);
+* ``block product`` / ``block product copy`` (and ``btree-block ...``): the shipped draft blocks
+  (issue 44: the recursive block, a BTree head on the block) drafting under the constraint (each
+  recursive step's law restricted to what the automaton allows; the circuit on the block times the
+  automaton), alone and with the copy of the context (``--blocks ''``: none);
 * ``btree product copy as drafted``: the ``btree product copy`` arm with its greedy drafts verified
   as the product spells them (``respell_greedy_drafts=False``; every other arm's greedy rounds
   re-encode their drafts' text with the tokenizer: :mod:`~circuits_llm.decoding.respelling`).
@@ -61,6 +65,7 @@ from circuits_llm.app.demo import (
     training_config,
 )
 from circuits_llm.app.head_cache import default_cache_dir, obtain_head
+from circuits_llm.app.shipping import shipped_drafter
 from circuits_llm.constraints import JsonSchema, TokenAutomaton, clear_cache
 from circuits_llm.decoding.constrained import ConstrainedDrafting
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
@@ -127,6 +132,8 @@ PROMPTS: dict[str, list[str]] = {
 }
 
 HEADS = ("btree", "ff")
+#: the shipped draft blocks with arms (``circuits_llm.shipped_drafter`` kinds)
+BLOCKS = ("block", "btree-block")
 #: the threshold of the dynamic draft length arms (DraftLength.confident; docs/journal.md section 6)
 CONFIDENCE = 0.3
 #: the ``walk`` arms: the context copy, and the constraint's walk where the copy has nothing
@@ -177,13 +184,14 @@ def _arm_record(results: list[DecodeResult], texts: list[str], valid: list[bool]
 
 
 def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] = print,
-                  packed_linear: bool = True, arms_matching: str | None = None) -> dict[str, Any]:
+                  packed_linear: bool = True, arms_matching: str | None = None,
+                  blocks: tuple[str, ...] = BLOCKS) -> dict[str, Any]:
     """Every arm on every schema's prompts, greedy and sampling; the JSON-ready record.
 
     ``packed_linear``: the model's linear weights packed with MKL for verify blocks, as
     ``circuits-llm demo`` does (every arm, constrained AR included, shares the model);
     ``arms_matching``: run only constrained AR and the arms whose name contains one of its
-    comma-separated parts.
+    comma-separated parts; ``blocks``: the shipped draft blocks whose arms run too.
     """
     torch.manual_seed(0)
     loaded = load_model(resolve_model("smollm2"), torch.device("cpu"))
@@ -231,6 +239,13 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
         if name == "btree":  # greedy drafts verified as the product spells them
             decoders[f"{name} product copy as drafted"] = SpeculativeDecoder(
                 ready.backbone, ready.head, lookup=ContextLookup(), respell_greedy_drafts=False)
+    windows = {arm: window for arm in decoders}
+    for kind in blocks:  # the draft blocks, with the constraint product, alone and with the copy
+        drafter = shipped_drafter(loaded, kind)
+        for label, options in (("product", {"constrained_drafting": ConstrainedDrafting.PRODUCT}),
+                               ("product copy", {"lookup": ContextLookup()})):
+            decoders[f"{kind} {label}"] = SpeculativeDecoder(backbone, drafter, **options)
+            windows[f"{kind} {label}"] = drafter.window
     if arms_matching is not None:
         parts = [part for part in arms_matching.split(",") if part]
         decoders = {arm: decoder for arm, decoder in decoders.items()
@@ -265,7 +280,7 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
                     log(f"{mode} {schema_name}#{p} {arm}: {result.tokens.numel()} tokens, "
                         f"{result.summary.tokens_per_round:.2f} tokens/round")
         for arm, (results, texts, valid) in collected.items():
-            arms[f"{arm} | {mode}"] = _arm_record(results, texts, valid, window)
+            arms[f"{arm} | {mode}"] = _arm_record(results, texts, valid, windows[arm])
     return {
         "benchmark": "constrained_bench", "machine": machine_info(torch.device("cpu")),
         "config": {"quick": quick, "max_new_tokens": max_new_tokens, "window": window,
@@ -307,10 +322,11 @@ def format_table(record: dict[str, Any]) -> str:
 
 def benchmark_arguments(argv: list[str] | None, description: str | None,
                         default_out: Path, linear_flag: bool = False,
-                        arms_flag: bool = False) -> argparse.Namespace:
+                        arms_flag: bool = False, blocks_flag: bool = False) -> argparse.Namespace:
     """The command line the constrained benchmarks share (``--quick``, ``--max-new-tokens``,
     ``--threads``, ``--out``; ``--plain-linear`` with ``linear_flag``; ``--arms`` with
-    ``arms_flag``), parsed; torch's thread count is set from it."""
+    ``arms_flag``; ``--blocks`` with ``blocks_flag``), parsed; torch's thread count is set from
+    it."""
     parser = argparse.ArgumentParser(description=(description or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one schema, one prompt")
     parser.add_argument("--max-new-tokens", type=int, default=160)
@@ -325,15 +341,21 @@ def benchmark_arguments(argv: list[str] | None, description: str | None,
                             help="run only constrained AR and the arms whose name contains one "
                                  "of TEXT's comma-separated parts (e.g. 'product copy,product "
                                  "walk')")
+    if blocks_flag:
+        parser.add_argument("--blocks", default=",".join(BLOCKS), metavar="KINDS",
+                            help="comma-separated shipped draft blocks with arms (default "
+                                 f"{','.join(BLOCKS)}; '' for none)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = benchmark_arguments(argv, __doc__, DEFAULT_OUT, linear_flag=True, arms_flag=True)
+    args = benchmark_arguments(argv, __doc__, DEFAULT_OUT, linear_flag=True, arms_flag=True,
+                               blocks_flag=True)
     record = run_benchmark(args.quick, args.max_new_tokens, packed_linear=not args.plain_linear,
-                           arms_matching=args.arms)
+                           arms_matching=args.arms,
+                           blocks=tuple(b for b in args.blocks.split(",") if b))
     publish(format_table(record), record, args.out)
     bad = [key for key, arm in record["arms"].items() if arm["valid"] != arm["outputs"]]
     return 1 if bad or not all(record["greedy_equal_to_ar"].values()) else 0

@@ -95,8 +95,9 @@ def load_blocks(found: Sequence[ShippedHead], loaded: Any) -> list[ReadyBlock]:
     ready = []
     for shipped in found:
         drafter = load_shipped_drafter(shipped, loaded.model)
-        ready.append(ReadyBlock(shipped.kind, drafter, _record(
-            shipped, int(shipped.manifest["parameters"]), loaded.fingerprint)))
+        record = _record(shipped, int(shipped.manifest["parameters"]), loaded.fingerprint)
+        record["window"] = drafter.window  # the verify block its rounds run
+        ready.append(ReadyBlock(shipped.kind, drafter, record))
     return ready
 
 
@@ -143,6 +144,8 @@ def describe_block(ready: ReadyBlock, unit: TokenUnit) -> str:
         steps = "" if trained.get("step") is None else \
             f", trained {trained['step']} steps in {float(trained.get('elapsed_s', 0.0)):.0f} s"
         on_top = f", a {head['kind']} head of window {head['window']} on its output{steps}"
+    else:
+        on_top = f", {r['window'] - 1} recursive drafts a round"
     return (f"draft block {ready.name}: shipped ({r['shipped_as']}), {r['parameters']:,} "
             f"parameters{on_top} (the block: {r['steps']} steps, {r['train_wall_s']:.0f} s of "
             f"training{bits}) in {r['run_dir']}")
