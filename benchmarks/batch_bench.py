@@ -14,7 +14,7 @@ same ``B`` prompts (held-out code prefixes of different lengths) are decoded by
   shipped draft block, ``block`` or ``btree-block``, or a ``train-head --draft-block`` run
   directory; ``--block-steps K`` sets the recursion's depth) the draft block's drafts instead
   (:class:`~circuits_llm.draft_block.BlockDrafter`, one block state per row:
-  :mod:`circuits_llm.draft_block.batch`; no draft-length rule, no copy);
+  :mod:`circuits_llm.draft_block.batch`; the copy of the context, every draft verified);
 * ``autoregressive``: this project's batched autoregressive decoder (one call per token for the
   batch, the same ragged caches);
 * ``hf_generate``: ``model.generate`` on the left-padded batch (dynamic cache; EOS suppressed
@@ -278,8 +278,8 @@ def run_benchmark(config: BatchBenchConfig, log: Callable[[str], None] = print) 
     if config.packed_linear:
         from circuits_llm.app.demo import pack_for_verify_blocks
         linear = pack_for_verify_blocks(model, head.window, device)
-    if config.block is not None:  # a draft block verifies all its drafts and mixes in no copy
-        config = dataclasses.replace(config, draft_confidence=None, lookup=None)
+    if config.block is not None:  # a draft block verifies all its drafts (journal §11)
+        config = dataclasses.replace(config, draft_confidence=None)
     rule = None if config.draft_confidence is None else \
         DraftLength.confident(config.draft_confidence, minimum=config.draft_minimum)
     lookup = None if config.lookup is None else ContextLookup(config.lookup)

@@ -39,6 +39,8 @@ from circuits_llm.backbone.ragged_cache import RaggedCache
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.batch import RowState, SpeculativeRows
 from circuits_llm.decoding.decoder import SpeculativeDecoder
+from circuits_llm.decoding.draft_length import DraftLength
+from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.metrics import BatchResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, target_probs, warp_logits
 from circuits_llm.draft_block import BlockCacheFollower, BlockCircuitDrafter, BlockDrafter, DraftBlock
@@ -155,6 +157,44 @@ def test_each_row_draws_what_it_draws_alone(kind: str, warp: str, steps: str,
                               eos_token_id=())
     assert result.tokens == alone
     assert result.summary.accepted > 0
+
+
+OPTIONS = {"copy": {"lookup": ContextLookup((0.3, 0.6))},
+           "confident": {"draft_length": DraftLength.confident(0.3, minimum=0)},
+           "both": {"lookup": ContextLookup((0.5,)),
+                    "draft_length": DraftLength.confident(0.2, minimum=1)}}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_with_the_copy_and_a_rule_decode_as_alone(kind: str, option: str, steps: str,
+                                                       drafters: dict[str, Any]) -> None:
+    """With the context copy and/or a confident-drafts rule, every row of a batch makes the
+    single-prompt decoder's rounds (the same drafts verified and accepted) and tokens: greedy,
+    and sampling with per-row generators; greedy is ``generate`` on the row alone."""
+    decoder = SpeculativeDecoder(MODEL, drafters[kind], **OPTIONS[option])
+    plain = SpeculativeDecoder(MODEL, drafters[kind])
+    seeds = [21, 22, 23, 24]
+    for temperature in (0.0, 1.0):
+        alone = [decoder.generate(prompt, count, temperature,
+                                  generator=torch.Generator().manual_seed(seed), eos_token_id=())
+                 for prompt, count, seed in zip(PROMPTS, LIMITS, seeds, strict=True)]
+        result = decoder.generate(PROMPTS, LIMITS, temperature,
+                                  generator=[torch.Generator().manual_seed(s) for s in seeds],
+                                  eos_token_id=())
+        assert result.tokens == [a.tokens.tolist() for a in alone]
+        for row, single in zip(result.rows, alone, strict=True):
+            assert [(r.drafted, r.accepted) for r in row.rounds] == \
+                [(r.drafted, r.accepted) for r in single.rounds]
+        if temperature == 0:
+            assert result.tokens == [_generate(prompt, count)
+                                     for prompt, count in zip(PROMPTS, LIMITS, strict=True)]
+        # the option changed the rounds (a rule verified fewer drafts, or the copy was drafted)
+        without = plain.generate(PROMPTS, LIMITS, temperature,
+                                 generator=[torch.Generator().manual_seed(s) for s in seeds],
+                                 eos_token_id=())
+        assert [[(r.drafted, r.accepted) for r in row.rounds] for row in result.rows] != \
+            [[(r.drafted, r.accepted) for r in row.rounds] for row in without.rows]
 
 
 @pytest.mark.parametrize("kind", KINDS)

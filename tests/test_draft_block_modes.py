@@ -454,11 +454,6 @@ def test_what_still_refuses_says_what_was_wrong() -> None:
         SpeculativeDecoder(MODEL, _PlainDrafter(drafter), draft_length=CONFIDENT)
     with pytest.raises(DecoderError, match=r"_PlainDrafter: it takes neither lookup"):
         SpeculativeDecoder(MODEL, _PlainDrafter(drafter), lookup=LOOKUP)
-    for option in ({"lookup": LOOKUP}, {"draft_length": CONFIDENT}):  # not in a batch yet
-        batched = SpeculativeDecoder(MODEL, _circuit_drafter(COMPRESSED), **option)  # type: ignore[arg-type]
-        with pytest.raises(DecoderError, match="a batch of prompts with a draft block takes "
-                                               "neither lookup nor a draft_length rule yet"):
-            batched.generate([[1, 5, 7], [3, 8, 3]], 4, eos_token_id=())
     # without decoding_problem it decodes as before: all drafts, free under a constraint
     plain = SpeculativeDecoder(WORDY, _PlainDrafter(_wordy_recursive_drafter(None)))
     reference = AutoregressiveDecoder(WORDY)

@@ -230,7 +230,7 @@ class SpeculativeRows:
         tapes = None if uniforms is None else torch.stack(uniforms)
         if self.block_rows is not None:
             drafts = self.block_rows.draft(program, [row.context for row in rows], hidden, c,
-                                           tapes)
+                                           tapes, self._components(program, rows))
         else:
             drafts = self._draft_heads(program, rows, hidden, c, tapes)
         lengths = [program.static_length] * len(rows) if program.static_length is not None \
@@ -238,15 +238,19 @@ class SpeculativeRows:
         return [RowDraft(program, draft, None if uniforms is None else uniforms[b], lengths[b])
                 for b, draft in enumerate(drafts)]
 
+    def _components(self, program: RoundProgram, rows: list[RowState]) -> list[Tensor] | None:
+        """Each row's copy component of this round (from its own output), or ``None`` without a
+        lookup: what the single-prompt decoder's ``_component`` gives without a constraint."""
+        decoder = self.decoder
+        if decoder.lookup is None:
+            return None
+        return [round_component(decoder.lookup, row.lookup, None, -1, decoder._position,
+                                program.window - 1, decoder.device, False) for row in rows]
+
     def _draft_heads(self, program: RoundProgram, rows: list[RowState], hidden: Tensor, c: Tensor,
                      tapes: Tensor | None) -> list[DraftResult]:
         """The circuit head's drafts of ``rows`` in passes of at most ``rows_per_pass`` rows."""
-        decoder = self.decoder
-        components = None
-        if decoder.lookup is not None:
-            components = [round_component(decoder.lookup, row.lookup, None, -1, decoder._position,
-                                          program.window - 1, decoder.device, False)
-                          for row in rows]
+        components = self._components(program, rows)
         step = rows_per_pass(program) or len(rows)  # a CPU pass stays within its caches
         drafts: list[DraftResult] = []
         for start in range(0, len(rows), step):

@@ -26,7 +26,7 @@ from circuits_llm.protocols import ContextDrafter
 from circuits_llm.runtime.compiling import Compiler
 
 __all__ = [
-    "check_batch_options", "check_drafter", "drafter_device", "drafter_program", "kept_pairs",
+    "check_drafter", "drafter_device", "drafter_program", "kept_pairs",
     "prefill_pairs",
 ]
 
@@ -56,19 +56,6 @@ def check_drafter(drafter: ContextDrafter, lookup: ContextLookup | None,
         problem = None
     if problem is not None:
         raise DecoderError(f"{type(drafter).__name__}: {problem}")
-
-
-def check_batch_options(lookup: ContextLookup | None, rule: DraftLength) -> None:
-    """A batch of prompts drafts with a context drafter without the copy and with every draft
-    verified (each row's drafter state is the batch's own: :mod:`circuits_llm.decoding.batch`).
-
-    Raises:
-        DecoderError: ``lookup`` is set or ``rule`` is not ``DraftLength.fixed()``.
-    """
-    if lookup is not None or rule != DraftLength.fixed():
-        raise DecoderError("a batch of prompts with a draft block takes neither lookup nor a "
-                           "draft_length rule yet: decode the prompts one at a time, or build "
-                           "the decoder without them")
 
 
 def drafter_program(drafter: ContextDrafter, config: SamplingConfig, *, compile: bool,

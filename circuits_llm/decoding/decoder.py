@@ -254,10 +254,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         return program
 
     def _batch_drafter(self) -> SpeculativeRows:
-        """A batch of prompts drafts row by row with this decoder's round
-        (:mod:`~circuits_llm.decoding.batch`); a draft block's rows take no copy or rule yet."""
-        if self._context_drafter is not None:
-            context_drafting.check_batch_options(self.lookup, self.draft_length)
+        """A batch of prompts drafts row by row with this decoder's round, its copy and its
+        draft-length rule included (:mod:`~circuits_llm.decoding.batch`)."""
         return SpeculativeRows(self)
 
     def _drafter(self, tracker: ConstraintTracker, head: DraftHead) -> ProductDrafter:

@@ -30,6 +30,11 @@ Two ways to run a round's block steps (:data:`ONE_BLOCK_CALL`, :func:`block_rows
   reference, and what a subclass of the two drafters (whose round program this module does not
   know) gets.
 
+The decoder's copy of the context and its draft-length rule apply per row as in the
+single-prompt round: each row's copy component comes from its own output, a row whose round
+drafts the copy feeds the proposal's tokens to the block in place of draws, and each row's ``L``
+is the rule on its own drafts and ``q``.
+
 Exactness per row is the single-prompt argument (docs/decoder-exactness.md): every row's drafts
 are drawn from exactly the ``q`` its own history gives (up to float rounding in the padded call,
 whose masked entries weigh exactly zero), and verified by the shared accept program.
@@ -49,6 +54,7 @@ from torch import Tensor
 
 from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.decoding.batch_draft import draft_rows, rows_per_pass
+from circuits_llm.decoding.lookup import mixed_conditionals, unpack
 from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig
 from circuits_llm.draft_block.block import check_pairs
@@ -82,21 +88,14 @@ def block_rows(drafter: object) -> BlockRows | PaddedBlockRows:
     return BlockRows(drafter)
 
 
-def _check_plain(program: Any) -> None:
-    """A batch's block rows draft without the context copy and verify every draft (the decoder
-    refuses both options for a batch): say so if ``program`` was built with either."""
-    if getattr(program, "lookup", None) is not None or \
-            getattr(program, "static_length", program.window - 1) != program.window - 1:
-        raise DecoderError("a batch of prompts with a draft block takes neither lookup nor a "
-                           "draft_length rule yet: decode the prompts one at a time")
-
-
 def _circuit_drafts(program: BlockCircuitRoundProgram, outputs: Tensor, c: Tensor,
-                    uniforms: Tensor | None) -> list[DraftResult]:
+                    uniforms: Tensor | None, components: list[Tensor] | None
+                    ) -> list[DraftResult]:
     """The circuit on the block for every row: the rows' block outputs ``o_1`` (B, d) read by the
-    circuit head as hidden states, with ``c`` (B,) and ``uniforms`` (B, T) (``None`` when
-    greedy), in passes of at most :func:`~circuits_llm.decoding.batch_draft.rows_per_pass` rows
-    on a CPU -> one draft per row."""
+    circuit head as hidden states, with ``c`` (B,), ``uniforms`` (B, T) (``None`` when greedy)
+    and each row's copy component (with the program's lookup), in passes of at most
+    :func:`~circuits_llm.decoding.batch_draft.rows_per_pass` rows on a CPU -> one draft per
+    row."""
     device = program.circuit.device
     outputs, c = outputs.to(device), c.to(device)
     step = rows_per_pass(program) or len(outputs)
@@ -104,7 +103,8 @@ def _circuit_drafts(program: BlockCircuitRoundProgram, outputs: Tensor, c: Tenso
     for start in range(0, len(outputs), step):
         part = slice(start, start + step)
         drafts += draft_rows(program, outputs[part], c[part],
-                             None if uniforms is None else uniforms[part])
+                             None if uniforms is None else uniforms[part],
+                             None if components is None else components[part])
     return drafts
 
 
@@ -116,17 +116,20 @@ class BlockRow:
         drafter: the row's own copy of the decoder's drafter (its cache, verified length and
             pending pairs; the block's weights shared).
         programs: the row's round programs by sampling configuration (recursive drafting only:
-            a program reads the state of the drafter it was built for).
+            a program reads the state of the drafter it was built for; a decoder's rule and
+            lookup are fixed, so the configuration identifies the program).
     """
 
     drafter: BlockCacheFollower
     programs: dict[SamplingConfig, Any] = field(default_factory=dict)
 
-    def program(self, config: SamplingConfig) -> Any:
-        """The round program of this row's drafter for ``config`` (built once, eager)."""
-        program = self.programs.get(config)
+    def program(self, like: Any) -> Any:
+        """The round program of this row's drafter with the options of the decoder's program
+        ``like`` (its configuration, draft-length rule and copy lookup; built once, eager)."""
+        program = self.programs.get(like.config)
         if program is None:
-            program = self.programs[config] = self.drafter.round_program(config)  # type: ignore[attr-defined]
+            program = self.programs[like.config] = self.drafter.round_program(  # type: ignore[attr-defined]
+                like.config, draft_length=like.draft_length, lookup=like.lookup)
         return program
 
 
@@ -175,32 +178,36 @@ class BlockRows:
         return row.drafter.cache, row.drafter.length
 
     def draft(self, program: Any, rows: list[BlockRow], hidden: Tensor, c: Tensor,
-              uniforms: Tensor | None) -> list[DraftResult]:
+              uniforms: Tensor | None, components: list[Tensor] | None = None
+              ) -> list[DraftResult]:
         """Every row's draft of one round.
 
         Args:
             program: the decoder's round program for this configuration (built on the decoder's
-                own drafter; only its configuration and circuit are read here).
+                own drafter; only its options and circuit are read here).
             rows: the drafting rows' states.
             hidden: (B, d) each row's seed feature (the backbone's draft hidden state at its last
                 cached token).
             c: (B,) long each row's verified token.
             uniforms: (B, T) float64 each row's round uniforms (``None`` when greedy).
+            components: each row's copy component (n+1,) float64, exactly when the program has
+                a ``ContextLookup``.
 
         Returns:
             One :class:`~circuits_llm.decoding.round_data.DraftResult` per row, what the
             single-prompt round drafts from that row's state.
         """
-        _check_plain(program)
         if type(program) is BlockCircuitRoundProgram:
-            return self._draft_circuit(program, rows, hidden, c, uniforms)
-        return [row.program(program.config).draft(hidden[b:b + 1], c[b:b + 1],
-                                                   None if uniforms is None else uniforms[b])
+            return self._draft_circuit(program, rows, hidden, c, uniforms, components)
+        return [row.program(program).draft(hidden[b:b + 1], c[b:b + 1],
+                                           None if uniforms is None else uniforms[b],
+                                           None if components is None else components[b])
                 for b, row in enumerate(rows)]
 
     @staticmethod
     def _draft_circuit(program: BlockCircuitRoundProgram, rows: list[BlockRow], hidden: Tensor,
-                       c: Tensor, uniforms: Tensor | None) -> list[DraftResult]:
+                       c: Tensor, uniforms: Tensor | None, components: list[Tensor] | None
+                       ) -> list[DraftResult]:
         """Each row's block step on its own cache (``o_1``, what
         :meth:`~circuits_llm.draft_block.circuit_drafter.BlockCircuitRoundProgram.block_output`
         gives), then the circuit's passes for every row at once (in passes of at most
@@ -208,7 +215,7 @@ class BlockRows:
         with torch.no_grad():
             outputs = torch.cat([row.drafter.first_step(hidden[b:b + 1], c[b:b + 1])
                                  for b, row in enumerate(rows)])
-        return _circuit_drafts(program, outputs, c, uniforms)
+        return _circuit_drafts(program, outputs, c, uniforms, components)
 
 
 # ---------------------------------------------------------------- every row's block step in one call
@@ -287,9 +294,9 @@ class PaddedBlockRows:
         return row.cache, row.length
 
     def draft(self, program: Any, rows: list[PaddedRow], hidden: Tensor, c: Tensor,
-              uniforms: Tensor | None) -> list[DraftResult]:
+              uniforms: Tensor | None, components: list[Tensor] | None = None
+              ) -> list[DraftResult]:
         """Every row's draft (see :meth:`BlockRows.draft` for the arguments)."""
-        _check_plain(program)
         device = self.drafter.device
         with torch.no_grad():
             features, tokens = [], []
@@ -304,36 +311,62 @@ class PaddedBlockRows:
                 tokens.append(token)
             output = self._step(rows, features, tokens)
             if type(program) is BlockCircuitRoundProgram:
-                return _circuit_drafts(program, output, c, uniforms)
+                return _circuit_drafts(program, output, c, uniforms, components)
             if type(program) is not BlockRoundProgram:
                 raise DecoderError(f"one block call for every row knows the BlockRoundProgram and "
                                    f"the BlockCircuitRoundProgram, not {type(program).__name__}")
-            return self._recursive(program, rows, output, c.to(device), uniforms)
+            return self._recursive(program, rows, output, c.to(device), uniforms, components)
 
-    def _recursive(self, program: Any, rows: list[PaddedRow], output: Tensor, c: Tensor,
-                   uniforms: Tensor | None) -> list[DraftResult]:
-        """``k`` recursive steps for every row: (B, d) outputs -> each row's draft and ``q``."""
+    def _recursive(self, program: BlockRoundProgram, rows: list[PaddedRow], output: Tensor,
+                   c: Tensor, uniforms: Tensor | None, components: list[Tensor] | None
+                   ) -> list[DraftResult]:
+        """``k`` recursive steps for every row: (B, d) outputs -> each row's draft, ``q`` and
+        ``L``, as :meth:`BlockRoundProgram.draft` makes them for one row: a row whose round
+        drafts the copy's proposal (``program.copying``: its component and its uniform) feeds the
+        proposal's tokens to the block in place of draws, its ``q`` is the mixture's
+        (:func:`~circuits_llm.decoding.lookup.mixed_conditionals`), and its ``L`` is the
+        program's rule on it."""
         block, config, window = self.block, program.config, program.window
-        ids = block.draft_tokens
-        drafts, laws, finite = [], [], []
-        for step in range(window - 1):
+        ids, device, batch = block.draft_tokens, c.device, len(rows)
+        drafts = window - 1
+        given = torch.zeros(batch, drafts, dtype=torch.bool, device=device)
+        proposals = torch.zeros(batch, drafts, dtype=torch.long, device=device)
+        for b in range(batch if components is not None else 0):
+            copying, proposal = program.copying(components[b], None if uniforms is None
+                                                else uniforms[b])
+            count = min(int(unpack(components[b])[1]), drafts) if copying else 0
+            given[b, :count] = True
+            proposals[b, :count] = proposal[:count].to(device)
+        wants_laws = uniforms is not None or program.draft_length.needs_conditionals
+        indices, laws, finite = [], [], []
+        for step in range(drafts):
             logits = block.logits(output)  # (B, K)
             finite.append(torch.isfinite(logits).all(-1))
-            _, token, law = draw_step(logits, config, None if uniforms is None
-                                      else uniforms[:, step], ids)
+            index, _, law = draw_step(logits, config, None if uniforms is None
+                                      else uniforms[:, step], ids, with_law=wants_laws)
+            index = torch.where(given[:, step], proposals[:, step], index)
+            token = index if ids is None else ids.to(device)[index]
             if law is not None:
                 laws.append(law)
-            drafts.append(token)
-            if step < window - 2:
+            indices.append(index)
+            if step < drafts - 1:
                 output = self._step(rows, list(output[:, None]), list(token[:, None]))
-        tokens = torch.stack(drafts, 1)  # (B, k)
+        chosen = torch.stack(indices, 1)  # (B, k) draft-vocabulary indices
+        tokens = chosen if ids is None else ids.to(device)[chosen]
         blocks = torch.cat([c[:, None], tokens], 1)
         head_ok = torch.stack(finite, 1).all(1)
-        q = None if uniforms is None else torch.stack(laws, 1)  # (B, k, K)
-        length = torch.tensor(window - 1, device=tokens.device)
-        possible = torch.ones((), dtype=torch.bool, device=tokens.device)
-        return [DraftResult(blocks[b, 1:], blocks[b:b + 1], None if q is None else q[b],
-                            head_ok[b], possible, length) for b in range(len(rows))]
+        q = torch.stack(laws, 1) if wants_laws else None  # (B, k, K)
+        possible = torch.ones((), dtype=torch.bool, device=device)
+        results = []
+        for b in range(batch):
+            q_b = None if q is None else q[b]
+            if components is not None and q_b is not None:
+                q_b = mixed_conditionals(q_b, chosen[b], components[b].to(device))
+            length = program.draft_length.decide(q_b, chosen[b])
+            results.append(DraftResult(blocks[b, 1:], blocks[b:b + 1],
+                                       None if uniforms is None else q_b, head_ok[b], possible,
+                                       length))
+        return results
 
     def _step(self, rows: list[PaddedRow], features: list[Tensor], tokens: list[Tensor]
               ) -> Tensor:

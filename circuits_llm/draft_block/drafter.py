@@ -345,8 +345,10 @@ class BlockRoundProgram(AcceptProgram):
             cut[-1] = 0.0
         return cut
 
-    def _copying(self, component: Tensor | None, uniforms: Tensor | None) -> tuple[bool, Tensor]:
-        """Whether this round drafts the copy's proposal, and the proposal (k,) long."""
+    def copying(self, component: Tensor | None, uniforms: Tensor | None) -> tuple[bool, Tensor]:
+        """Whether this round drafts the copy's proposal (``component`` (n+1,) float64, the
+        round's uniforms ``uniforms`` or ``None`` when greedy), and the proposal (k,) long
+        (shared with the batch's ``PaddedBlockRows``)."""
         if (component is None) != (self.lookup is None):
             raise DraftBlockError("a block round program built with a ContextLookup drafts with "
                                   "a copy component, and only then: pass one exactly when lookup "
@@ -367,7 +369,7 @@ class BlockRoundProgram(AcceptProgram):
             raise DraftBlockError("uniforms must be given exactly when sampling")
         if component is not None and constraint is not None:
             component = self._allowed_copy(component, constraint)
-        copying, proposal = self._copying(component, uniforms)
+        copying, proposal = self.copying(component, uniforms)
         count = 0 if component is None else int(unpack(component)[1])
         drafts, device = self.window - 1, self.drafter.device
         wants_laws = not greedy or self.draft_length.needs_conditionals
