@@ -48,7 +48,7 @@ from torch import Tensor
 
 from circuits_llm.backbone.ragged_cache import ragged_backbone
 from circuits_llm.decoding.acceptance import Transition, transition
-from circuits_llm.decoding.batch_draft import draft_rows, rows_per_pass
+from circuits_llm.decoding.batch_draft import draft_in_passes
 from circuits_llm.decoding.constraint_path import round_component
 from circuits_llm.decoding.context_drafting import kept_pairs, prefill_pairs
 from circuits_llm.decoding.lookup import LookupIndex
@@ -250,15 +250,7 @@ class SpeculativeRows:
     def _draft_heads(self, program: RoundProgram, rows: list[RowState], hidden: Tensor, c: Tensor,
                      tapes: Tensor | None) -> list[DraftResult]:
         """The circuit head's drafts of ``rows`` in passes of at most ``rows_per_pass`` rows."""
-        components = self._components(program, rows)
-        step = rows_per_pass(program) or len(rows)  # a CPU pass stays within its caches
-        drafts: list[DraftResult] = []
-        for start in range(0, len(rows), step):
-            part = slice(start, start + step)
-            drafts += draft_rows(program, hidden[part], c[part],
-                                 None if tapes is None else tapes[part],
-                                 None if components is None else components[part])
-        return drafts
+        return draft_in_passes(program, hidden, c, tapes, self._components(program, rows))
 
     def accept(self, row: RowState, draft: RowDraft, step: BackboneStep,
                config: SamplingConfig) -> tuple[Transition, RoundKind, int, int]:

@@ -46,7 +46,7 @@ from circuits_llm.decoding.lookup import mixed_conditionals, overlay
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.round_data import DraftResult
 
-__all__ = ["CPU_PASS_BYTES", "RowTapes", "draft_rows", "rows_per_pass"]
+__all__ = ["CPU_PASS_BYTES", "RowTapes", "draft_in_passes", "draft_rows", "rows_per_pass"]
 
 #: on a CPU, about the most bytes of raw head outputs one draft pass should make. Past the
 #: caches every elementwise pass over them (normalisation, checks, the prefix conditionals' input
@@ -179,3 +179,18 @@ def draft_rows(program: RoundProgram, hidden: Tensor, c: Tensor, uniforms: Tenso
                 block[b, 1:], block[b:b + 1], None if uniforms is None else q[b],  # type: ignore[index]
                 head_ok[b], possible[b], length if cut is None else torch.minimum(length, cut)))
     return results
+
+
+def draft_in_passes(program: RoundProgram, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
+                    components: list[Tensor] | None = None) -> list[DraftResult]:
+    """:func:`draft_rows` over every row, in passes of at most :func:`rows_per_pass` rows (on a
+    CPU a pass then keeps a big head's outputs within the caches); the same arguments and
+    results."""
+    step = rows_per_pass(program) or len(hidden)
+    drafts: list[DraftResult] = []
+    for start in range(0, len(hidden), step):
+        part = slice(start, start + step)
+        drafts += draft_rows(program, hidden[part], c[part],
+                             None if uniforms is None else uniforms[part],
+                             None if components is None else components[part])
+    return drafts

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from circuits_llm.backbone.cache_slots import drop_last_positions
-from circuits_llm.decoding.batch_draft import draft_rows, rows_per_pass
+from circuits_llm.decoding.batch_draft import draft_in_passes
 from circuits_llm.decoding.lookup import mixed_conditionals, unpack
 from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig
@@ -97,15 +97,7 @@ def _circuit_drafts(program: BlockCircuitRoundProgram, outputs: Tensor, c: Tenso
     :func:`~circuits_llm.decoding.batch_draft.rows_per_pass` rows on a CPU -> one draft per
     row."""
     device = program.circuit.device
-    outputs, c = outputs.to(device), c.to(device)
-    step = rows_per_pass(program) or len(outputs)
-    drafts: list[DraftResult] = []
-    for start in range(0, len(outputs), step):
-        part = slice(start, start + step)
-        drafts += draft_rows(program, outputs[part], c[part],
-                             None if uniforms is None else uniforms[part],
-                             None if components is None else components[part])
-    return drafts
+    return draft_in_passes(program, outputs.to(device), c.to(device), uniforms, components)
 
 
 @dataclass
