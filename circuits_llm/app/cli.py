@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_head_command(sub)
     from circuits_llm.app.commands import add_commands  # demo, bench, generate
     add_commands(sub)
-    from circuits_llm.app.shipping import add_ship_command
+    from circuits_llm.app.ship_command import add_ship_command
     add_ship_command(sub)
     return parser
 

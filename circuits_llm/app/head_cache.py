@@ -32,7 +32,7 @@ it, ``btree-block``) are found the same way, by kind and model identity
 (:mod:`circuits_llm.app.shipping`: a head, or a ``--draft-block`` run's block, with
 ``--circuit-head DIR`` a head trained on it; ``scripts/train_demo_heads.sh`` ships the demo's
 heads). ``python -m circuits_llm.app.head_cache ship ...``, its former spelling, still forwards
-to it (:func:`~circuits_llm.app.shipping.main`), with runpy's warning about running a module the
+to it (:func:`~circuits_llm.app.ship_command.main`), with runpy's warning about running a module the
 package has already imported.
 """
 
@@ -52,12 +52,12 @@ from typing import Any
 import torch
 
 from circuits_llm.app.report import jsonable, write_json
+from circuits_llm.app.ship_command import main
 from circuits_llm.app.shipping import (
     BLOCK_LAYOUTS,
     NoHeadError,
     find_shipped_drafter,
     load_shipped_drafter,
-    main,
     no_drafter_message,
     ship_block,
     ship_head,
