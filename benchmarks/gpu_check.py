@@ -20,7 +20,8 @@ Rows, each PASS / FAIL / SKIP (with the reason), its numbers and its seconds:
   LM, enumerated on the device and sampled end to end (each with a biased control), and compiled
   decoding equal to eager decoding seed by seed;
 * **greedy = generate**: greedy speculative decoding equals ``model.generate`` on tiny Llama and
-  GPT-2 models, eager and compiled;
+  GPT-2 models, eager and compiled, with a circuit head, and on Llama with the draft blocks
+  (recursive, and a BTree head on the block);
 * **SmolLM2-shaped speed** (:mod:`benchmarks.gpu_check_speed`): compiled AR against the compiled
   speculative round with forced acceptance (FF and BTree, the shipped heads' shapes), and the
   speed-up predicted from the acceptance measured on the real model;

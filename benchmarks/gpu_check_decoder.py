@@ -1,5 +1,6 @@
 """The decoder rows of :mod:`benchmarks.gpu_check`: the speculative decoder's exact output law and
-greedy identity with ``model.generate``, on the device, eager and compiled.
+greedy identity with ``model.generate`` (circuit heads and the draft blocks), on the device, eager
+and compiled.
 
 The law (on the toy LM of ``tests/toy.py``: 3 tokens, windows of 3, logits a random function of
 the last two tokens, so the target law of the first :data:`LAW_TOKENS` tokens is enumerable):
@@ -227,9 +228,59 @@ def _greedy_row(settings: Settings, name: str, compiled: bool) -> Outcome:
                            else "drafts were all accepted or all rejected: a path went unchecked")
 
 
+def _block_greedy_row(settings: Settings, kind: str, compiled: bool) -> Outcome:
+    """Greedy decoding with a draft block (issue 44) equals ``model.generate`` on every prompt:
+    ``recursive`` (:class:`~circuits_llm.draft_block.BlockDrafter`, 3 drafts a round) or
+    ``circuit`` (a BTree head on the block's output, window 4), on the tiny Llama, the block
+    moved off its identity start so that drafts are both accepted and rejected; compiled: the
+    static cache and compiled forwards (CUDA graphs on CUDA), the block's cache following it."""
+    from circuits_llm.draft_block import BlockCircuitDrafter, BlockDrafter, DraftBlock
+    model = tiny_model("llama", settings.device)
+    generator = torch.Generator().manual_seed(2)
+    block = DraftBlock(model, steps=3, draft_vocab=list(range(0, VOCAB, 2)))
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator,
+                                             dtype=parameter.dtype).to(parameter.device))
+    drafter: BlockDrafter | BlockCircuitDrafter = BlockDrafter(block.eval())
+    if kind == "circuit":
+        lm_head = model.get_output_embeddings().weight.detach().cpu()
+        head = MTPHead.from_name("btree", 4, 2, HIDDEN, VOCAB, lm_head_weight=lm_head,
+                                 dtype=torch.float64, sum_init_std=0.5,
+                                 init_noise=0.3).to(settings.device).eval()
+        drafter = BlockCircuitDrafter(block, head)
+    with compiler_scope(settings.compiler):
+        backbone = HFBackbone(model, compile=compiled,
+                              compiled_lengths=(1, drafter.window) if compiled else None)
+        decoder = SpeculativeDecoder(backbone, drafter, compile=compiled)
+    cases = [(1, 8), (5, 12), (9, 16)] if settings.quick else [(1, 12), (2, 5), (5, 20), (9, 24)]
+    mismatches, accepted, drafted = 0, 0, 0
+    for length, new in cases:
+        prompt = torch.randint(1, VOCAB - 1, (1, length), generator=generator).to(settings.device)
+        result = decoder.generate(prompt, new)
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                  max_new_tokens=new, pad_token_id=0)
+        mismatches += result.tokens.tolist() != expected[0, length:].tolist()
+        accepted += result.summary.accepted
+        drafted += result.summary.drafted
+    way = f"compiled ({settings.compiler.value})" if compiled else "eager"
+    numbers = (f"{len(cases)} prompts, {way}, {kind} draft block: {mismatches} differ from "
+               f"model.generate; drafts accepted {accepted}/{drafted}")
+    both = 0 < accepted < drafted
+    return Outcome.verdict(mismatches == 0 and both, numbers,
+                           {"prompts": len(cases), "mismatches": mismatches, "accepted": accepted,
+                            "drafted": drafted}, f"{mismatches} greedy outputs differ" if mismatches
+                           else "drafts were all accepted or all rejected: a path went unchecked")
+
+
 def greedy_rows(settings: Settings) -> list[RowSpec]:
-    """Llama and GPT-2, eager and compiled."""
-    return [(Group.GREEDY, f"{name} {'compiled' if compiled else 'eager'}",
-             lambda name=name, compiled=compiled: _greedy_row(settings, name, compiled))
-            for name in ("llama", "gpt2") for compiled in (False, True)]
+    """Llama and GPT-2, eager and compiled; the draft blocks (recursive and a circuit on the
+    block) on Llama, eager and compiled."""
+    heads = [(Group.GREEDY, f"{name} {'compiled' if compiled else 'eager'}",
+              lambda name=name, compiled=compiled: _greedy_row(settings, name, compiled))
+             for name in ("llama", "gpt2") for compiled in (False, True)]
+    blocks = [(Group.GREEDY, f"llama {kind} block {'compiled' if compiled else 'eager'}",
+               lambda kind=kind, compiled=compiled: _block_greedy_row(settings, kind, compiled))
+              for kind in ("recursive", "circuit") for compiled in (False, True)]
+    return heads + blocks
 
