@@ -195,15 +195,14 @@ class ComparisonConfig:
         docs/results.md section 6, "What any draft length can buy"), drafts mixed with a copy of the
         context (``lookup``: SmolLM2 repeats itself, greedy above all), linear weights packed for
         verify blocks on a CPU (``packed_linear``), and the shipped draft blocks (issue 44:
-        the recursive block and the BTree head on it), on 4 prompts of 128 tokens (6 before the
-        blocks: five decoders on 6 prompts would take about 17.5 minutes on the project's CPU by
-        per-decoder timings, over the demo's 15); quick: fewer prompts and tokens, and (when no
-        head is cached or shipped) a shorter training."""
+        the recursive block and the BTree head on it), on 6 prompts of 128 tokens (five
+        decoders in about 7.5 minutes on the project's CPU, within the demo's 15); quick: fewer
+        prompts and tokens, and (when no head is cached or shipped) a shorter training."""
         full = cls(window=8, rank=16, draft_vocab=4096, token_input=("ff", "btree"),
                    blocks=(BLOCK_KIND, block_kind("btree")),
                    draft_confidence=0.3, draft_minimum=0, packed_linear=True,
                    lookup=(0.1, 0.3, 0.5), train_seq_len=128, train_batch_size=8,
-                   self_distill=True, prompts=4, new_tokens=128)
+                   self_distill=True, prompts=6, new_tokens=128)
         if quick:
             return replace(full, train_steps=400, train_seconds=90.0, distill_samples=64,
                            prompts=2, new_tokens=64)
