@@ -191,6 +191,31 @@ def tiny_model(name: str, device: torch.device) -> PreTrainedModel:
     return model.double().eval().to(device)
 
 
+def _greedy_outcome(settings: Settings, model: PreTrainedModel, decoder: SpeculativeDecoder,
+                    generator: torch.Generator, compiled: bool, drafter: str) -> Outcome:
+    """``decoder``'s greedy output against ``model.generate`` on random prompts of several
+    lengths: PASS when every output is identical and drafts were both accepted and rejected (so
+    the accept and the reject paths both ran); ``drafter`` names the drafter in the numbers."""
+    cases = [(1, 8), (5, 12), (9, 16)] if settings.quick else [(1, 12), (2, 5), (5, 20), (9, 24)]
+    mismatches, accepted, drafted = 0, 0, 0
+    for length, new in cases:
+        prompt = torch.randint(1, VOCAB - 1, (1, length), generator=generator).to(settings.device)
+        result = decoder.generate(prompt, new)
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                  max_new_tokens=new, pad_token_id=0)
+        mismatches += result.tokens.tolist() != expected[0, length:].tolist()
+        accepted += result.summary.accepted
+        drafted += result.summary.drafted
+    way = f"compiled ({settings.compiler.value})" if compiled else "eager"
+    numbers = (f"{len(cases)} prompts, {way}, {drafter}: {mismatches} differ from "
+               f"model.generate; drafts accepted {accepted}/{drafted}")
+    both = 0 < accepted < drafted
+    return Outcome.verdict(mismatches == 0 and both, numbers,
+                           {"prompts": len(cases), "mismatches": mismatches, "accepted": accepted,
+                            "drafted": drafted}, f"{mismatches} greedy outputs differ" if mismatches
+                           else "drafts were all accepted or all rejected: a path went unchecked")
+
+
 def _greedy_row(settings: Settings, name: str, compiled: bool) -> Outcome:
     """Greedy speculative decoding (BTree window 4, a LoRA draft branch) equals
     ``model.generate`` on every prompt, and both accepted and rejected drafts occurred."""
@@ -208,24 +233,7 @@ def _greedy_row(settings: Settings, name: str, compiled: bool) -> Outcome:
                              dtype=torch.float64, sum_init_std=0.5).to(settings.device)
     with compiler_scope(settings.compiler):
         decoder = SpeculativeDecoder(backbone, head, compile=compiled)
-    cases = [(1, 8), (5, 12), (9, 16)] if settings.quick else [(1, 12), (2, 5), (5, 20), (9, 24)]
-    mismatches, accepted, drafted = 0, 0, 0
-    for length, new in cases:
-        prompt = torch.randint(1, VOCAB - 1, (1, length), generator=generator).to(settings.device)
-        result = decoder.generate(prompt, new)
-        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                  max_new_tokens=new, pad_token_id=0)
-        mismatches += result.tokens.tolist() != expected[0, length:].tolist()
-        accepted += result.summary.accepted
-        drafted += result.summary.drafted
-    way = f"compiled ({settings.compiler.value})" if compiled else "eager"
-    numbers = (f"{len(cases)} prompts, {way}, LoRA draft branch: {mismatches} differ from "
-               f"model.generate; drafts accepted {accepted}/{drafted}")
-    both = 0 < accepted < drafted  # the accept and the reject paths both ran
-    return Outcome.verdict(mismatches == 0 and both, numbers,
-                           {"prompts": len(cases), "mismatches": mismatches, "accepted": accepted,
-                            "drafted": drafted}, f"{mismatches} greedy outputs differ" if mismatches
-                           else "drafts were all accepted or all rejected: a path went unchecked")
+    return _greedy_outcome(settings, model, decoder, generator, compiled, "LoRA draft branch")
 
 
 def _block_greedy_row(settings: Settings, kind: str, compiled: bool) -> Outcome:
@@ -253,24 +261,7 @@ def _block_greedy_row(settings: Settings, kind: str, compiled: bool) -> Outcome:
         backbone = HFBackbone(model, compile=compiled,
                               compiled_lengths=(1, drafter.window) if compiled else None)
         decoder = SpeculativeDecoder(backbone, drafter, compile=compiled)
-    cases = [(1, 8), (5, 12), (9, 16)] if settings.quick else [(1, 12), (2, 5), (5, 20), (9, 24)]
-    mismatches, accepted, drafted = 0, 0, 0
-    for length, new in cases:
-        prompt = torch.randint(1, VOCAB - 1, (1, length), generator=generator).to(settings.device)
-        result = decoder.generate(prompt, new)
-        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                  max_new_tokens=new, pad_token_id=0)
-        mismatches += result.tokens.tolist() != expected[0, length:].tolist()
-        accepted += result.summary.accepted
-        drafted += result.summary.drafted
-    way = f"compiled ({settings.compiler.value})" if compiled else "eager"
-    numbers = (f"{len(cases)} prompts, {way}, {kind} draft block: {mismatches} differ from "
-               f"model.generate; drafts accepted {accepted}/{drafted}")
-    both = 0 < accepted < drafted
-    return Outcome.verdict(mismatches == 0 and both, numbers,
-                           {"prompts": len(cases), "mismatches": mismatches, "accepted": accepted,
-                            "drafted": drafted}, f"{mismatches} greedy outputs differ" if mismatches
-                           else "drafts were all accepted or all rejected: a path went unchecked")
+    return _greedy_outcome(settings, model, decoder, generator, compiled, f"{kind} draft block")
 
 
 def greedy_rows(settings: Settings) -> list[RowSpec]:
