@@ -73,8 +73,10 @@ bench: install
 # One GPU check (issue 24): every circuit query, sampler and MAP exact on the device (torch and
 # triton kernels, float32 and float64), EM on the device, the decoder's exact law and greedy =
 # model.generate eager and compiled, compiled AR against the compiled speculative round on a
-# SmolLM2-shaped model (random weights) with the predicted speed-up, and libcirkit when importable.
-# One table, saved to benchmarks/results/gpu_check.json; fails if a row fails; <= 8 min on an H100 (about 4 measured).
+# SmolLM2-shaped model (random weights) with the predicted speed-up, the same with the draft blocks,
+# batched speculative decoding (exact row by row; throughput over batch 1-16), and libcirkit when
+# importable. One table, saved to benchmarks/results/gpu_check.json; fails if a row fails; <= 8 min
+# on an H100 (about 4 measured before the draft-block and batch rows, which add about 2.5 on an H200).
 # No install step: the GPU machine has no network. Without CUDA:
 # `make gpu-check GPU_CHECK_ARGS="--device cpu --quick"`.
 GPU_CHECK_ARGS ?=

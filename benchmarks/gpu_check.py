@@ -25,6 +25,15 @@ Rows, each PASS / FAIL / SKIP (with the reason), its numbers and its seconds:
 * **SmolLM2-shaped speed** (:mod:`benchmarks.gpu_check_speed`): compiled AR against the compiled
   speculative round with forced acceptance (FF and BTree, the shipped heads' shapes), and the
   speed-up predicted from the acceptance measured on the real model;
+* **draft-block speed** (:mod:`benchmarks.gpu_check_blocks`): the same forced compiled round with
+  random draft blocks of the shipped shapes (recursive, 5 drafts; a BTree head on the block), what
+  of the round runs eager said in the row, and the speed-up predicted from the tokens per round
+  the shipped blocks reached on the real model (``make demo``);
+* **batched decoding** (:mod:`benchmarks.gpu_check_batch`): greedy batched speculative decoding of
+  a ragged batch equals ``model.generate`` row by row (circuit head, draft block; tiny float64
+  Llama), and batched AR against batched speculative decoding with the draft block at batch 1 to
+  16 on the SmolLM2-shaped model: the rounds' phases, the speed-up predicted from the per-row
+  tokens per round measured on the real model, and the batch size where it falls below 1;
 * **vs libcirkit**: rows/s of log-likelihood, a training step and sampling at batch 256 and 4,096
   (SKIP when libcirkit is not importable: the GPU machine has no network, carry its wheel).
 """
@@ -46,6 +55,8 @@ if __name__ == "__main__":  # before torch loads its OpenMP runtime (see benchma
 
 import torch
 
+from benchmarks.gpu_check_batch import batch_rows
+from benchmarks.gpu_check_blocks import block_rows
 from benchmarks.gpu_check_circuits import circuit_rows, cirkit_rows, learn_rows
 from benchmarks.gpu_check_core import (
     CompilerChoice,
@@ -58,7 +69,7 @@ from benchmarks.gpu_check_core import (
     run_row,
 )
 from benchmarks.gpu_check_decoder import greedy_rows, law_rows
-from benchmarks.gpu_check_speed import speed_rows
+from benchmarks.gpu_check_speed import SpeedBench, speed_rows
 from circuits.kernels import failed_kernels, triton_version
 from circuits_llm.runtime.compiling import compile_fallbacks
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
@@ -73,9 +84,12 @@ RowSpec = tuple[Group, str, Callable[[], Outcome]]
 
 
 def row_specs(settings: Settings) -> list[RowSpec]:
-    """Every row of the check, in :class:`Group` order."""
+    """Every row of the check, in :class:`Group` order (the speed, draft-block and batch rows
+    share one SmolLM2-shaped model and compiled backbone)."""
+    speed = SpeedBench(settings)
     return [*circuit_rows(settings), *learn_rows(settings), *law_rows(settings),
-            *greedy_rows(settings), *speed_rows(settings), *cirkit_rows(settings)]
+            *greedy_rows(settings), *speed_rows(settings, speed), *block_rows(settings, speed),
+            *batch_rows(settings, speed), *cirkit_rows(settings)]
 
 
 def run_check(settings: Settings, log: Callable[[str], None],

@@ -53,6 +53,8 @@ class Group(Enum):
     DECODER_LAW = "decoder law"
     GREEDY = "greedy = generate"
     SPEED = "SmolLM2-shaped speed"
+    BLOCK_SPEED = "draft-block speed"
+    BATCH = "batched decoding"
     CIRKIT = "vs libcirkit"
 
 

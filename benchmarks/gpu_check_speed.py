@@ -316,9 +316,10 @@ class SpeedBench:
                                               "predicted_speedup": predicted})
 
 
-def speed_rows(settings: Settings) -> list[RowSpec]:
-    """Compiled AR, then per mode (sampling first) and head: the forced round and the prediction."""
-    bench = SpeedBench(settings)
+def speed_rows(settings: Settings, bench: SpeedBench | None = None) -> list[RowSpec]:
+    """Compiled AR, then per mode (sampling first) and head: the forced round and the prediction
+    (over ``bench``'s model and compiled backbone, shared with other rows; ``None``: a new one)."""
+    bench = SpeedBench(settings) if bench is None else bench
     rows: list[RowSpec] = [(Group.SPEED, "compiled AR", bench.ar_row)]
     for mode in (Mode.SAMPLING, Mode.GREEDY):
         for architecture, rank in HEADS:

@@ -15,7 +15,9 @@
 # Environment: PY (python3), DEVICE (cpu; `cuda` on a GPU), THREADS (torch threads, 2), MODEL
 # (smollm2: the demo's GGUF; or any --model reference), TOKENS (training tokens, i.e. prefill
 # positions of the feature cache: 524,288 = 4,096 windows of 128), STEPS (1,500), BATCH_SIZE (8),
-# LR (5e-4), LAYERS (1), INIT (identity | last_layer), MINUTES (a time cap on the whole run,
+# LR (5e-4), LAYERS (1), INIT (identity | last_layer), WINDOW (4: the verified token's position and
+# 3 recursive depths), INIT_FROM (a saved
+# block directory to continue from, e.g. circuits_llm/heads_shipped/smollm2-block), MINUTES (a time cap on the whole run,
 # feature prefill included: 90 on the CPU; unset on a GPU).
 #
 # Budget on the 2-core CPU of the project's machine (2 threads; estimates, not yet measured on
@@ -50,17 +52,19 @@ TOKENS=${TOKENS:-524288}
 BATCH_SIZE=${BATCH_SIZE:-8}
 STEPS=${STEPS:-1500}
 LIMIT=()
+FROM=()
+if [ -n "${INIT_FROM:-}" ]; then FROM=(--init-from "$INIT_FROM"); fi
 if [ -n "${MINUTES:-}" ]; then LIMIT=(--minutes "$MINUTES"); fi
 RUN="$ROOT/smollm2-block"
 mkdir -p "$RUN"
 
 echo "== train-head --draft-block ($TOKENS positions, $STEPS steps of $BATCH_SIZE) in $RUN"
 "$PY" -m circuits_llm train-head --model "$MODEL" --run-dir "$RUN" --draft-block \
-  --window 4 --gamma 0.6 --block-layers "${LAYERS:-1}" --block-init "${INIT:-identity}" \
+  --window "${WINDOW:-4}" --gamma 0.6 --block-layers "${LAYERS:-1}" --block-init "${INIT:-identity}" \
   --draft-vocab 8192 --target-law model --teacher-top-k 16 --teacher-temperature 1.0 \
   --data corpus --cache-features --max-train-bytes "$TOKENS" --seq-len 128 \
   --batch-size "$BATCH_SIZE" --lr "${LR:-5e-4}" --steps "$STEPS" --seed 0 \
   --eval-every 250 --eval-windows 64 --device "$DEVICE" --threads "$THREADS" --no-progress \
-  "${LIMIT[@]}"
+  "${LIMIT[@]}" "${FROM[@]}"
 
 echo "float16 and shipped (at most 20 MB, verified on load): circuits-llm ship "$RUN" --name smollm2-block --model "$MODEL""

@@ -3,8 +3,10 @@
 One run (a subprocess, as ``make gpu-check`` runs it) serves every test: it must exit 0, print its
 one table, write its JSON, hold every row group with no FAIL, SKIP only where libcirkit is absent
 or CUDA is genuinely needed (each saying why), and its negative controls must have been rejected
-(so the exactness rows can fail). The prediction's measured acceptance must be the one recorded
-in docs/journal.md, and asking for CUDA without one is one clear error.
+(so the exactness rows can fail). The forced rounds (heads and draft blocks) must accept every
+draft, the batch rows must match ``model.generate`` row by row and predict every batch size, the
+predictions' measured acceptance must be the one recorded (docs/journal.md, the demo's and the
+batch benchmark's JSON), and asking for CUDA without one is one clear error.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
+from benchmarks.gpu_check_batch import QUICK_BATCHES, measured_rates
+from benchmarks.gpu_check_blocks import (
+    BlockKind,
+    BlockShapes,
+    measured_tokens_per_round,
+    shipped_block_shapes,
+)
 from benchmarks.gpu_check_circuits import TOLERANCES, make_pairs, query_errors
 from benchmarks.gpu_check_core import ALPHA, Group, SkipReason, Status
-from benchmarks.gpu_check_speed import MEASURED_TOKENS_PER_ROUND
+from benchmarks.gpu_check_speed import MEASURED_TOKENS_PER_ROUND, Mode
 from circuits.kernels import KernelBackend, use_backend
 from circuits.kernels.backend import requested_backend
 
@@ -107,6 +116,49 @@ def test_speed_rows_forced_every_draft_and_predicted(smoke: dict[str, Any]) -> N
         assert values["tokens_per_round"] == 8
         assert set(values["phases_ms"]) >= {"draft", "verify", "accept"}
     assert {v["tokens_per_round"] for v in predicted} == set(MEASURED_TOKENS_PER_ROUND.values())
+
+
+def test_block_speed_rows_forced_every_draft_and_predicted(smoke: dict[str, Any]) -> None:
+    blocks = {r["name"]: r["values"] for r in rows(smoke, Group.BLOCK_SPEED)}
+    forced = [v for name, v in blocks.items() if name.startswith("forced")]
+    predicted = [v for name, v in blocks.items() if name.startswith("predicted")]
+    assert len(forced) == len(predicted) == 4
+    for values in forced:  # a window of 6 (5 recursive drafts) or 4 (the BTree on the block)
+        assert values["window"] in (6, 4) and values["accepted"] == values["drafted"] > 0
+        assert values["tokens_per_round"] >= values["window"] / 2
+        assert set(values["phases_ms"]) >= {"draft", "verify", "accept"}
+        assert "eager" in values["compiled"]  # what of the round is not compiled is said
+    assert {v["tokens_per_round"] for v in predicted} == set(measured_tokens_per_round().values())
+
+
+def test_block_shapes_and_acceptance_are_the_shipped_and_measured_ones() -> None:
+    """The shipped manifests' shapes, and ``make demo``'s block rows (6 prompts): block greedy
+    3.43 / T=1 1.89 tokens per round, BTree on the block 2.69 / 1.65."""
+    assert shipped_block_shapes() == BlockShapes(1, 8192, 5, 4, 16, "lean", 8, 4096)
+    measured = {key: round(value, 2) for key, value in measured_tokens_per_round().items()}
+    assert measured == {(BlockKind.RECURSIVE, Mode.GREEDY): 3.43,
+                        (BlockKind.RECURSIVE, Mode.SAMPLING): 1.89,
+                        (BlockKind.BTREE, Mode.GREEDY): 2.69, (BlockKind.BTREE, Mode.SAMPLING): 1.65}
+    assert {size for _, size in measured_rates()} == {1, 2, 4, 8}
+
+
+def test_batch_rows_exact_and_predicted(smoke: dict[str, Any]) -> None:
+    batch = {r["name"]: r["values"] for r in rows(smoke, Group.BATCH)}
+    exact = [v for name, v in batch.items() if name.startswith("greedy = generate")]
+    assert len(exact) == 2
+    for values in exact:  # both paths ran: some drafts accepted, some rejected
+        assert values["mismatches"] == 0 and 0 < values["accepted"] < values["drafted"]
+    sizes = [v for name, v in batch.items() if name.startswith("throughput")]
+    assert [v["batch_size"] for v in sizes] == list(QUICK_BATCHES)
+    for values in sizes:
+        for mode in Mode:
+            entry = values[mode.value]
+            assert entry["ar_ms_per_step"] > 0 and entry["round_ms"] > 0
+            assert set(entry["phases_ms"]) >= {"draft", "verify", "accept"}
+            assert entry["predicted_speedup"] == pytest.approx(
+                entry["rate_per_row"] * entry["ar_ms_per_step"] / entry["round_ms"])
+    crossover = batch["predicted crossover"]["crossover"]
+    assert set(crossover) == {m.value for m in Mode}
 
 
 def test_measured_acceptance_is_the_recorded_one() -> None:
