@@ -55,7 +55,7 @@ RowSpec = tuple[Group, str, Callable[[], Outcome]]
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "circuits_llm" / "heads_shipped"
 #: ``make demo`` with the shipped blocks (6 held-out stdlib prompts x 128 tokens, real
-#: SmolLM2-135M-Instruct on this project's AMD EPYC CPU, the context copy, every draft verified)
+#: SmolLM2-135M-Instruct on this project's Intel Xeon CPU, the context copy, every draft verified)
 DEMO_BLOCKS = ROOT / "benchmarks" / "results" / "demo_blocks.json"
 #: the issue's targets for the forced or predicted speed-up over compiled AR
 TARGETS = {Mode.GREEDY: 2.5, Mode.SAMPLING: 1.5}
