@@ -21,7 +21,8 @@
 # train-head --draft-block run or a save_draft_block directory; default RUN_ROOT/smollm2-block,
 # where scripts/train_draft_block.sh puts it), TOKENS (training tokens: 524,288, the block recipe's),
 # STEPS (1,500), BATCH_SIZE (8), LR (3e-3, the shipped heads' fresh rate), WINDOW (4), RANK (16),
-# DRAFT_VOCAB (4,096, the shipped heads'), MINUTES (a time cap on the run: 20 on the CPU; unset on a
+# DRAFT_VOCAB (4,096, the shipped heads'), INIT_FROM (a saved head to continue
+# from, e.g. circuits_llm/heads_shipped/smollm2-btree-block), MINUTES (a time cap on the run: 20 on the CPU; unset on a
 # GPU).
 #
 # Budget on the 2-core CPU of the project's machine: no prefill when the block recipe ran (its
@@ -49,6 +50,8 @@ TOKENS=${TOKENS:-524288}
 BATCH_SIZE=${BATCH_SIZE:-8}
 STEPS=${STEPS:-1500}
 LIMIT=()
+FROM=()
+if [ -n "${INIT_FROM:-}" ]; then FROM=(--init-from "$INIT_FROM"); fi
 if [ -n "${MINUTES:-}" ]; then LIMIT=(--minutes "$MINUTES"); fi
 RUN="$ROOT/smollm2-btree-on-block"
 mkdir -p "$RUN"
@@ -61,6 +64,6 @@ echo "== train-head --on-block $BLOCK ($TOKENS positions, $STEPS steps of $BATCH
   --data corpus --cache-features --max-train-bytes "$TOKENS" --seq-len 128 \
   --batch-size "$BATCH_SIZE" --lr "${LR:-3e-3}" --steps "$STEPS" --seed 0 \
   --eval-every 250 --eval-windows 64 --device "$DEVICE" --threads "$THREADS" --no-progress \
-  "${LIMIT[@]}"
+  "${LIMIT[@]}" "${FROM[@]}"
 
 echo "float16 and shipped (at most 20 MB, verified on load): circuits-llm ship "$BLOCK" --name smollm2-btree-block --model "$MODEL" --circuit-head "$RUN""
