@@ -45,7 +45,13 @@ import torch
 from torch import Tensor
 
 from benchmarks.gpu_check_core import Group, Outcome, Settings, Status, compiler_scope
-from benchmarks.gpu_check_speed import DEMO, ForcedInsideDraftVocabulary, Mode, SpeedBench
+from benchmarks.gpu_check_speed import (
+    DEMO,
+    ForcedInsideDraftVocabulary,
+    Mode,
+    SpeedBench,
+    forced_outcome,
+)
 from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.draft_block import BlockCircuitDrafter, BlockDrafter, DraftBlock
@@ -196,12 +202,7 @@ class BlockBench:
                    f"verify {split['verify']:.2f} + accept {split['accept']:.2f}; "
                    f"{summary.tokens_per_round:.2f} tok/round -> {values['speedup_vs_ar']:.2f}x "
                    f"compiled AR; draft/verify {values['draft_over_verify']:.0%}")
-        held = (summary.drafted > 0 and summary.accepted == summary.drafted
-                and summary.tokens_per_round >= drafter.window / 2)
-        return Outcome.verdict(held, numbers, values,
-                               f"forced acceptance did not hold: {summary.accepted} of "
-                               f"{summary.drafted} drafts accepted, {summary.tokens_per_round:.2f} "
-                               f"tokens per round")
+        return forced_outcome(summary, drafter.window, numbers, values)
 
     def predicted_row(self, kind: BlockKind, mode: Mode) -> Outcome:
         """Tokens per round measured on the real model x AR ms per token / forced round ms."""
