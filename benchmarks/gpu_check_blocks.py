@@ -16,9 +16,10 @@ Both decode with the demo's context copy (``ContextLookup((0.1, 0.3, 0.5))``) an
 draft (the demo's block rows: ``draft_length`` fixed), over the same compiled backbone as the
 speed rows (the window's verify length is added to its compiled lengths), with
 ``SpeculativeDecoder(..., compile=True)``. What the decoder compiles differs from a head's round
-and each row says so: the recursive block's drafts run eager (its KV cache grows by one position
-per draft; only the accept program is compiled), and the circuit on the block runs the block's one
-step eager and the circuit's draft and the accept program compiled.
+and each row says so: the block's calls run compiled over its preallocated cache on a GPU
+(:class:`~circuits_llm.draft_block.step.BlockStepMode` ``AUTO``; CUDA graphs) and eager on a CPU;
+the recursion's readouts and draws run eager and its accept program compiled; the circuit on the
+block runs its circuit's draft and the accept program compiled.
 
 Acceptance is forced as in the speed rows
 (:class:`~benchmarks.gpu_check_speed.ForcedInsideDraftVocabulary`, the bonus token inside the
@@ -182,8 +183,9 @@ class BlockBench:
         split = {k.removesuffix("_s"): 1e3 * v for k, v in summary.mean_split_s.items()}
         round_ms = 1e3 * summary.mean_latency_s
         ar_ms = speed.results["ar_ms"][mode.value]
-        eager = ("block drafts eager, accept compiled" if kind is BlockKind.RECURSIVE
-                 else "block step eager, circuit draft + accept compiled")
+        calls = "block calls compiled" if drafter.step.compiled else "block calls eager"
+        eager = (f"{calls}, readouts and draws eager, accept compiled"
+                 if kind is BlockKind.RECURSIVE else f"{calls}, circuit draft + accept compiled")
         parameters = sum(p.numel() for p in drafter.block.parameters())
         if isinstance(drafter, BlockCircuitDrafter):
             parameters += drafter.head.num_parameters()  # type: ignore[attr-defined]

@@ -31,7 +31,6 @@ from toy import Law, _copy_mixture, add_outcomes, continuation_law, stand_in_mar
 from toy_constrained import _forced_run, _masked_rows, _product_drafts
 from transformers import LlamaForCausalLM
 
-from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.constraints import TokenAutomaton
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law, usable_conditionals
 from circuits_llm.decoding.constrained import ConstrainedDrafting, ProductDrafter
@@ -186,8 +185,7 @@ def recursive_law(block: DraftBlock, model: LlamaForCausalLM, prompt: Sequence[i
                         after = automaton.advance(state, token) if restrict else state  # type: ignore[union-attr]
                         nxt = output
                         if step < window - 2:
-                            drop_last_positions(drafter.cache, drafter.cache.get_seq_length()
-                                                - drafter.length - step)
+                            drafter.cache.truncate(drafter.length + step)
                             with torch.no_grad():
                                 nxt = drafter.next_step(output, torch.tensor([token]))
                         expand(nxt, [*index, x], [*rows, law], [*wrong, other], after)

@@ -34,7 +34,6 @@ from draft_block_models import (
 from toy import add_outcomes, continuation_law, law_p_value, target_law, total_variation
 
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.backbone.ragged_cache import RaggedCache
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.batch import RowState, SpeculativeRows
@@ -294,7 +293,7 @@ def _decoder_law(block: DraftBlock, prompt: list[int], length: int, config: Samp
             first = drafter.first_step(hidden[:, -1], torch.tensor([sequence[-1]]))
             q1 = law_of(block.logits(first))
             for d1 in ids.tolist():
-                drop_last_positions(drafter.cache, drafter.cache.get_seq_length() - drafter.length)
+                drafter.drop_speculative()
                 q2 = law_of(block.logits(drafter.next_step(first, torch.tensor([d1]))))
                 for d2 in ids.tolist():
                     weight = float(q1[d1] * q2[d2])

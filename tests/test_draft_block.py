@@ -80,7 +80,7 @@ def test_identity_start_gives_the_targets_law_at_the_feature() -> None:
         drafter = BlockDrafter(block)
         drafter.begin(hidden[:, :0], torch.zeros(0, dtype=torch.long))
         with torch.no_grad():
-            out = block.extend(hidden, torch.tensor([[5, 7, 9, 2]]), drafter.cache)
+            out = drafter.step(drafter.cache, hidden, torch.tensor([[5, 7, 9, 2]]))
             # equal up to the norms' eps (the feature is already normed, its scale near 1)
             torch.testing.assert_close(block.logits(out), logits[..., vocab], rtol=1e-2,
                                        atol=1e-2)

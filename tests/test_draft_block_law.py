@@ -14,15 +14,16 @@ from collections import defaultdict
 
 import pytest
 import torch
+from cuda_graph_double import CudaGraphDouble
 from draft_block_models import NextTokenLogits, perturbed_block, tiny_llama
 from toy import add_outcomes, continuation_law, law_p_value, target_law, total_variation
 
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.decoding.warping import SamplingConfig, target_probs, warp_logits
-from circuits_llm.draft_block import BlockDrafter, DraftBlock
+from circuits_llm.draft_block import BlockDrafter, BlockStepMode, DraftBlock
+from circuits_llm.runtime.compiling import use_compiler
 
 VOCAB = 4
 MODEL = tiny_llama(vocab=VOCAB, scale=3.0)
@@ -56,7 +57,7 @@ def _decoder_law(block: DraftBlock, length: int, config: SamplingConfig,
             first = drafter.first_step(hidden[:, -1], torch.tensor([sequence[-1]]))
             q1 = law_of(block.logits(first))
             for d1 in ids.tolist():
-                drop_last_positions(drafter.cache, drafter.cache.get_seq_length() - drafter.length)
+                drafter.drop_speculative()
                 q2 = law_of(block.logits(drafter.next_step(first, torch.tensor([d1]))))
                 for d2 in ids.tolist():
                     weight = float(q1[d1] * q2[d2])
@@ -93,3 +94,23 @@ def test_sampled_generate_follows_the_target_law(trained: int, steps: int | None
     samples = [tuple(decoder.generate(PROMPT, 2, temperature=1.0, generator=generator,
                                       eos_token_id=()).tokens.tolist()) for _ in range(800)]
     assert law_p_value(samples, _target_law(2, config)) > 1e-3
+
+
+def test_sampled_generate_with_compiled_block_calls_follows_the_target_law() -> None:
+    """The same chi-square with the block's calls compiled (through the CUDA-graph replay double,
+    with the round programs), and its negative control: the same run is far from a law whose
+    first token is shifted, so the test can fail."""
+    config = WARPS["temperature"]
+    block = perturbed_block(MODEL, steps=2, draft_vocab=[0, 2, 3], noise=0.3)
+    double = CudaGraphDouble()
+    with use_compiler(double):
+        decoder = SpeculativeDecoder(MODEL, BlockDrafter(block, step_mode=BlockStepMode.COMPILED),
+                                     compile=True)
+    generator = torch.Generator().manual_seed(0)
+    samples = [tuple(decoder.generate(PROMPT, 2, temperature=1.0, generator=generator,
+                                      eos_token_id=()).tokens.tolist()) for _ in range(800)]
+    target = _target_law(2, config)
+    assert double.calls["draft block step"] > 0
+    assert law_p_value(samples, target) > 1e-3
+    shifted = {((x[0] + 1) % VOCAB, *x[1:]): p for x, p in target.items()}
+    assert law_p_value(samples, shifted) < 1e-6

@@ -8,13 +8,14 @@
   ``PRODUCT`` each step's law restricted to the tokens the automaton allows.
 
 For every combination: greedy decoding equals ``model.generate`` (under a constraint: constrained
-autoregressive decoding), on a dynamic cache and on a static one, eager and compiled (the CUDA-graph
-replay double); the exact law of the first tokens, enumerated on a tiny-vocabulary Llama (float64)
-with the block's output taken from a fresh prefill of the block for each history (independently
-of the decoder's cache following), equals the target's, and a wrong ``q`` is detected; the real
-``generate`` samples that law (chi-square); the block's cache equals a fresh prefill after several
-rounds, the block having run exactly once a round. What still refuses (a batch of prompts with a
-copy or rule, a context drafter without ``decoding_problem`` given them) says so.
+autoregressive decoding), on a dynamic cache and on a static one, eager and compiled (the CUDA-
+graph replay double, the block's own calls compiled too); the exact law of the first tokens,
+enumerated on a tiny-vocabulary Llama (float64) with the block's output taken from a fresh prefill
+of the block for each history (independently of the decoder's cache following), equals the
+target's, and a wrong ``q`` is detected; the real ``generate`` samples that law (chi-square); the
+block's cache equals a fresh prefill after several rounds, the block having run exactly once a
+round. What still refuses (a batch of prompts with a copy or rule, a context drafter without
+``decoding_problem`` given them) says so.
 
 The enumerators of the laws live in ``tests/block_enumeration.py``, the models, heads and shared
 checks in ``tests/draft_block_models.py``.
@@ -56,7 +57,12 @@ from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDeco
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
-from circuits_llm.draft_block import BlockCircuitDrafter, BlockDrafter, DraftBlockError
+from circuits_llm.draft_block import (
+    BlockCircuitDrafter,
+    BlockDrafter,
+    BlockStepMode,
+    DraftBlockError,
+)
 from circuits_llm.runtime.compiling import use_compiler
 
 PRODUCT, FREE = ConstrainedDrafting.PRODUCT, ConstrainedDrafting.FREE
@@ -390,6 +396,7 @@ def test_on_a_static_or_compiled_backbone(name: str, backbone: str) -> None:
     reference = AutoregressiveDecoder(WORDY)
     for option in options:
         drafter = DRAFTERS[name]()
+        drafter.step_mode = BlockStepMode.COMPILED  # on the CPU too (AUTO compiles on a GPU)
         with use_compiler(double):
             model = HFBackbone(WORDY, cache=CacheKind.STATIC, max_cache_len=64, compile=compiled,
                                compiled_lengths=(1, 2, 3) if compiled else None)
@@ -403,8 +410,8 @@ def test_on_a_static_or_compiled_backbone(name: str, backbone: str) -> None:
                 reference.generate(prompt, 12, eos_token_id=(), constraint=constraint).tokens.tolist()
             assert tokens == want, (option, prompt, constraint)
             assert_cache_is_a_fresh_prefill(drafter, WORDY, prompt + tokens, drafter.window)
-    if compiled:  # the compiled path ran: backbone steps, the accept and the head's programs
-        kinds = ("accept program", "backbone step") + \
+    if compiled:  # the compiled path ran: backbone steps, the block's, the accept and the head's
+        kinds = ("accept program", "backbone step", "draft block step") + \
             (("draft program",) if name.startswith("circuit") else ())
         for kind in kinds:
             assert sum(n for key, n in double.calls.items() if key.startswith(kind)) > 0, kind

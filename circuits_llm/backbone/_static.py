@@ -17,10 +17,8 @@ layer overwrites what a rollback would need.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterable
 from enum import Enum
-from itertools import count
 
 import torch
 from torch import Tensor
@@ -29,7 +27,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from circuits.errors import InvalidInputError
 from circuits_llm.backbone._validate import check_int
-from circuits_llm.runtime.compiling import CompiledProgram
+from circuits_llm.runtime.compiling import CompiledProgram, private_copy
 
 
 class CacheKind(Enum):
@@ -51,8 +49,6 @@ class CacheCapacityError(InvalidInputError):
 #: Default capacity of a static cache when ``max_cache_len`` is not given: the model's
 #: ``max_position_embeddings`` capped at this (a cache is allocated whole, per layer and batch row).
 DEFAULT_MAX_CACHE_LEN = 2048
-
-_instances = count()
 
 
 def default_max_cache_len(model: PreTrainedModel) -> int:
@@ -187,12 +183,7 @@ def compile_step(step: Callable[..., tuple[Tensor, Tensor]], device: torch.devic
     on, after one :class:`~circuits_llm.runtime.compiling.CompileFallbackWarning`; the other block
     lengths stay compiled.
     """
-    fn = step.__func__  # type: ignore[attr-defined]
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_instances)}")
-    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
     owner = step.__self__  # type: ignore[attr-defined]
-    bound = types.MethodType(copy, owner)
     model = type(getattr(owner, "model", owner)).__name__
-    return CompiledProgram(step, name=f"backbone step ({model})", device=device, target=bound,
-                           variant=_block_variant)
+    return CompiledProgram(step, name=f"backbone step ({model})", device=device,
+                           target=private_copy(step), variant=_block_variant)

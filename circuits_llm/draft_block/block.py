@@ -240,9 +240,7 @@ class DraftBlock(nn.Module):
                                   f"{past + rows}) (shared by the rows), or ({batch}, {rows}) and "
                                   f"({batch}, {rows}, {past + rows}) (per row), got "
                                   f"{tuple(positions.shape)} and {tuple(allowed.shape)}")
-        with torch.no_grad():  # the target's embedding is shared and frozen
-            embedded = self.target.embedding(tokens).to(hidden.dtype)
-        x = self.fuse(torch.cat([self.norm_hidden(hidden), self.norm_token(embedded)], -1))
+        x = self.fused_input(hidden, tokens)
         position_ids = (positions[None] if shared else positions).to(x.device)  # (1 or B, m)
         angles = self.rotary(x, position_ids)
         allowed = (allowed[None] if shared else allowed).to(x.device)  # (1 or B, m, P + m)
@@ -252,6 +250,13 @@ class DraftBlock(nn.Module):
             x = layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                       use_cache=cache is not None, position_embeddings=angles)
         return x
+
+    def fused_input(self, hidden: Tensor, tokens: Tensor) -> Tensor:
+        """What the first layer reads: ``W [rms(h); rms(E[x])]`` for ``hidden`` (..., d) and
+        ``tokens`` (...) long -> (..., d)."""
+        with torch.no_grad():  # the target's embedding is shared and frozen
+            embedded = self.target.embedding(tokens).to(hidden.dtype)
+        return self.fuse(torch.cat([self.norm_hidden(hidden), self.norm_token(embedded)], -1))
 
     def extend(self, hidden: Tensor, tokens: Tensor, cache: Cache) -> Tensor:
         """Append ``m`` rows after the ``P`` cached positions, causally: ``hidden`` (B, m, d),

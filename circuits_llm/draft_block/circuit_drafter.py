@@ -47,6 +47,7 @@ from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
 from circuits_llm.draft_block.drafter import BlockCacheFollower
+from circuits_llm.draft_block.step import BlockStepMode
 from circuits_llm.protocols import draft_head_problem
 from circuits_llm.runtime.compiling import Compiler
 
@@ -96,6 +97,8 @@ class BlockCircuitDrafter(BlockCacheFollower):
         head: a circuit head (:class:`~circuits_llm.heads.MTPHead` or any
             :class:`~circuits_llm.protocols.DraftHead`) of the block's hidden size and
             vocabulary, on the block's device.
+        step_mode: when the block's calls run compiled
+            (:class:`~circuits_llm.draft_block.drafter.BlockCacheFollower`).
 
     Attributes:
         head: the circuit head.
@@ -107,8 +110,9 @@ class BlockCircuitDrafter(BlockCacheFollower):
             its outputs (:func:`check_block_head`).
     """
 
-    def __init__(self, block: DraftBlock, head: object) -> None:
-        super().__init__(block)
+    def __init__(self, block: DraftBlock, head: object, *,
+                 step_mode: BlockStepMode = BlockStepMode.AUTO) -> None:
+        super().__init__(block, step_mode)
         check_block_head(block, head)
         self.head = head
         self.window: int = head.window  # type: ignore[attr-defined]
@@ -134,7 +138,8 @@ class BlockCircuitDrafter(BlockCacheFollower):
 class BlockCircuitRoundProgram(RoundProgram):
     """A circuit head's round program whose hidden state is the block's output.
 
-    :meth:`head_hidden` runs the block's one step eagerly (its cache grows by the verified pairs)
+    :meth:`head_hidden` runs the block's one step (its cache grows by the verified pairs; compiled
+    with ``compile``, :meth:`~circuits_llm.draft_block.drafter.BlockCacheFollower.compile_steps`)
     and returns ``o_1`` (1, d); :meth:`RoundProgram.draft` calls it once a round and runs the head
     and the circuit (compiled with ``compile``) on it, with the copy component and the draft-length
     rule as for a head, and the decoder's product drafting under a constraint calls it once a
@@ -155,6 +160,8 @@ class BlockCircuitRoundProgram(RoundProgram):
         super().__init__(drafter.head, config, compile=compile, compiler=compiler,
                          draft_length=draft_length, lookup=lookup)
         self.drafter = drafter
+        if compile:
+            drafter.compile_steps(compiler)
 
     def block_output(self, hidden: Tensor, c: Tensor) -> Tensor:
         """The round's one block call: ``hidden`` (1, d) the seed feature ``h_{N-2}``, ``c`` (1,)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.decoding.acceptance import draw_from_row
 from circuits_llm.decoding.constrained import ConstraintTracker
 from circuits_llm.decoding.draft_length import DraftLength
@@ -52,6 +51,7 @@ from circuits_llm.decoding.round import AcceptProgram
 from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError, check_pairs
+from circuits_llm.draft_block.step import BlockKVCache, BlockStep, BlockStepMode
 from circuits_llm.runtime.compiling import Compiler
 
 __all__ = ["BlockCacheFollower", "BlockDrafter", "BlockRoundProgram", "draft_law", "draw_step"]
@@ -110,20 +110,35 @@ class BlockCacheFollower:
     drafting from the block shares (:class:`BlockDrafter`'s recursion,
     :class:`~circuits_llm.draft_block.circuit_drafter.BlockCircuitDrafter`'s circuit).
 
+    The block runs through a :class:`~circuits_llm.draft_block.step.BlockStep` over a
+    preallocated :class:`~circuits_llm.draft_block.step.BlockKVCache` (eager, or compiled once a
+    round program is built with ``compile``, as ``step_mode`` says: :meth:`compile_steps`).
+
+    Args:
+        block: the draft block.
+        step_mode: when the block's calls run compiled
+            (:class:`~circuits_llm.draft_block.step.BlockStepMode`; default: with compiled round
+            programs on a GPU).
+
     Attributes:
         block: the draft block (weights).
+        step: the block's decode step (shared by shallow copies, as the weights are).
         cache: the block's KV cache.
         length: positions of the cache holding verified pairs (speculative ones come after).
     """
 
-    def __init__(self, block: DraftBlock) -> None:
+    def __init__(self, block: DraftBlock, step_mode: BlockStepMode = BlockStepMode.AUTO) -> None:
         if not isinstance(block, DraftBlock):
             raise DraftBlockError(f"a {type(self).__name__} drafts with a DraftBlock, got "
                                   f"{type(block).__name__}")
+        if not isinstance(step_mode, BlockStepMode):
+            raise DraftBlockError(f"step_mode must be a BlockStepMode, got {step_mode!r}")
         self.block = block
+        self.step_mode = step_mode
         self.vocab_size: int = block.vocab_size
         self.hidden_size: int = block.hidden_size
-        self.cache = block.new_cache()
+        self.step = BlockStep(block)
+        self.cache: BlockKVCache = self.step.new_cache()
         self.length = 0
         self._pending: tuple[Tensor, Tensor] | None = None
 
@@ -141,7 +156,7 @@ class BlockCacheFollower:
         """Start a sequence: an empty cache; the prefill's pairs ``hidden`` (1, m, d), ``tokens``
         (m,) pending (run with the first round's first step)."""
         hidden, tokens = self._check(hidden, tokens)
-        self.cache = self.block.new_cache()
+        self.cache = self.step.new_cache()
         self.length = 0
         self._pending = (hidden, tokens) if tokens.numel() else None
 
@@ -152,16 +167,27 @@ class BlockCacheFollower:
         if self._pending is not None:  # a round that never drafted (a one-token prompt's first)
             hidden = torch.cat([self._pending[0], hidden], 1)
             tokens = torch.cat([self._pending[1], tokens])
-        drop_last_positions(self.cache, self.cache.get_seq_length() - self.length)
+        self.drop_speculative()
         self._pending = (hidden, tokens) if tokens.numel() else None
+
+    def drop_speculative(self) -> None:
+        """Crop the cache's speculative entries (those after the verified :attr:`length`)."""
+        self.cache.truncate(self.length)
+
+    def compile_steps(self, compiler: Compiler | None = None) -> None:
+        """What a round program built with ``compile`` calls: from now on the block's calls run
+        compiled (fixed shapes: one position, and first steps of up to ``window + 1`` positions)
+        through ``compiler`` (``None``: the current one), if :attr:`step_mode` compiles on the
+        block's device."""
+        if self.step_mode.compiles(self.device):
+            self.step.compile(self.window + 1, compiler)
 
     def flush(self) -> None:
         """Run the pending pairs into the cache now (the next round would have)."""
-        drop_last_positions(self.cache, self.cache.get_seq_length() - self.length)
+        self.drop_speculative()
         if self._pending is not None:
             hidden, tokens = self._pending
-            with torch.no_grad():
-                self.block.extend(hidden, tokens[None], self.cache)
+            self.step(self.cache, hidden, tokens[None])
             self.length += tokens.numel()
             self._pending = None
 
@@ -173,7 +199,7 @@ class BlockCacheFollower:
             features = torch.cat([self._pending[0], features.to(self._pending[0].dtype)], 1)
             tokens = torch.cat([self._pending[1], tokens])
             self._pending = None
-        output = self.block.extend(features, tokens[None], self.cache)
+        output = self.step(self.cache, features, tokens[None])
         self.length += tokens.numel()
         return output[:, -1]
 
@@ -195,6 +221,7 @@ class BlockDrafter(BlockCacheFollower):
             for). The weights are shared across steps, so the recursion runs to any depth; beyond
             the trained depths each further draft is accepted less often, and a longer window pays
             where the text repeats (greedy decoding of code, with the context copy).
+        step_mode: when the block's calls run compiled (:class:`BlockCacheFollower`).
 
     Attributes:
         window: ``k + 1``: the verified token and the block's ``k`` recursive drafts.
@@ -204,8 +231,9 @@ class BlockDrafter(BlockCacheFollower):
         DraftBlockError: ``steps`` is not a positive integer.
     """
 
-    def __init__(self, block: DraftBlock, steps: int | None = None) -> None:
-        super().__init__(block)
+    def __init__(self, block: DraftBlock, steps: int | None = None, *,
+                 step_mode: BlockStepMode = BlockStepMode.AUTO) -> None:
+        super().__init__(block, step_mode)
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
                                   or steps < 1):
             raise DraftBlockError(f"steps must be a positive integer (recursive drafts per "
@@ -216,7 +244,7 @@ class BlockDrafter(BlockCacheFollower):
     def next_step(self, output: Tensor, token: Tensor) -> Tensor:
         """A recursive step: the block's own ``output`` (1, d) and the draft ``token`` (1,) at the
         next position (a speculative entry, cropped by :meth:`follow`) -> (1, d)."""
-        return self.block.extend(output[:, None], token[None], self.cache)[:, -1]
+        return self.step(self.cache, output[:, None], token[None])[:, -1]
 
     # ------------------------------------------------------------------ the decoder's contract
     @staticmethod
@@ -238,7 +266,8 @@ class BlockDrafter(BlockCacheFollower):
 class BlockRoundProgram(AcceptProgram):
     """One round with a draft block: :meth:`draft` (``k`` recursive block steps) or, under a
     constraint with ``PRODUCT`` drafting, :meth:`constrained_draft`, and the shared accept
-    program. The draft runs eager (its cache grows); ``compile`` compiles the accept part.
+    program. ``compile`` compiles the accept part and the block's calls
+    (:meth:`BlockCacheFollower.compile_steps`); the readouts and draws run eager.
 
     Args:
         drafter: the :class:`BlockDrafter` whose block and cache the drafts come from.
@@ -277,6 +306,8 @@ class BlockRoundProgram(AcceptProgram):
         if lookup is not None and not isinstance(lookup, ContextLookup):
             raise DraftBlockError(f"lookup must be None or a ContextLookup, got {lookup!r}")
         self.drafter = drafter
+        if compile:
+            drafter.compile_steps(compiler)
         self.lookup = lookup
         self.draft_length = rule
         #: the number of drafts every round verifies, when the rule fixes it (else None)

@@ -43,10 +43,12 @@ an error raised while the graph runs may have run part of it.
 from __future__ import annotations
 
 import contextvars
+import types
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import count
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -61,6 +63,7 @@ __all__ = [
     "compile_fallbacks",
     "current_compiler",
     "owned",
+    "private_copy",
     "torch_compiler",
     "use_compiler",
 ]
@@ -164,6 +167,22 @@ def owned(value: R) -> R:
         return {k: owned(v) for k, v in value.items()}  # type: ignore[return-value]
     raise TypeError(f"a compiled program with static outputs returned a {type(value).__name__}: "
                     "return tensors, or tuples, lists or dicts of them")
+
+
+_copies = count()
+
+
+def private_copy(method: Callable[..., R]) -> Callable[..., R]:
+    """A bound ``method`` with a private copy of its function's code object, to hand to the
+    compiler (:class:`CompiledProgram`'s ``target``): Dynamo keeps compiled graphs, and counts
+    recompilations against ``recompile_limit``, per code object, so without the copy every
+    instance of the class in the process (every backbone, every draft block) would share one
+    budget of graphs."""
+    fn = method.__func__  # type: ignore[attr-defined]
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return types.MethodType(copy, method.__self__)  # type: ignore[attr-defined]
 
 
 def _first_line(error: BaseException) -> str:
