@@ -22,6 +22,7 @@ from draft_block_models import perturbed_block, tiny_llama
 import circuits_llm
 from circuits_llm.app import demo as demo_module
 from circuits_llm.app import head_cache as hc
+from circuits_llm.app import named_decoders
 from circuits_llm.app import shipping as shipping_module
 from circuits_llm.app.cli import build_parser
 from circuits_llm.app.cli import main as cli_main
@@ -331,6 +332,35 @@ def test_generate_with_a_shipped_block_is_greedy_exact(
     assert cli_main([*common, "--head", kind]) == 0
     out, err = capsys.readouterr()
     assert out == plain and f"[speculative (shipped {kind} smollm2-" in err
+
+
+def test_generate_sets_the_recursive_depth_and_refuses_it_elsewhere(
+        smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``generate --head block --draft-steps 2`` drafts 2 a round and prints the plain greedy
+    text; ``--draft-steps`` with a circuit on the block or a circuit head is one clear error."""
+    monkeypatch.setattr("circuits_llm.app.commands.load_model", lambda spec, device=None: smollm2)
+    common = ["generate", "--model", "smollm2", "--prompt", "def fibonacci(n):",
+              "--max-new-tokens", "16", "--plain-linear", "--cache-dir", str(tmp_path)]
+    assert cli_main([*common, "--head", "ar"]) == 0
+    plain = capsys.readouterr().out
+    built = []
+    real = named_decoders.block_drafter
+
+    def spy(*args: object, **kwargs: object) -> object:
+        found = real(*args, **kwargs)  # type: ignore[arg-type]
+        built.append(found)
+        return found
+
+    monkeypatch.setattr(named_decoders, "block_drafter", spy)
+    assert cli_main([*common, "--head", "block", "--draft-steps", "2"]) == 0
+    out, _ = capsys.readouterr()
+    assert out == plain and built[-1][0].window == 3
+    for head, message in (("btree-block", "steps sets a recursive block's depth"),
+                          ("btree", "--draft-steps sets a recursive draft block's depth")):
+        assert cli_main([*common, "--head", head, "--draft-steps", "2"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
 
 
 def test_the_face_and_the_demo_find_the_smollm2_blocks(smollm2: LoadedModel) -> None:

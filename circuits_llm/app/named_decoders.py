@@ -47,15 +47,17 @@ __all__ = ["AUTOREGRESSIVE_NAMES", "block_drafter", "decoder_for"]
 AUTOREGRESSIVE_NAMES = ("ar", "none")
 
 
-def block_drafter(head: str, loaded: Any, model_name: str = "MODEL"
+def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int | None = None
                   ) -> tuple[ShippedDrafter, str] | None:
     """The draft block ``--head`` names, as the drafter the decoder takes, and where it came
-    from; None when ``head`` names no block (a head kind, ``ar``, a head's directory).
+    from; None when ``head`` names no block (a head kind, ``ar``, a head's directory). A
+    recursive block drafts ``steps`` a round (``None``: its shipped or trained depth).
 
     Raises:
         NoHeadError: a block kind that no shipped block of the model has.
         ShippedHeadError: a shipped block for another model, or damaged (reinstall).
-        DemoError: a block directory that cannot be read (the message says why).
+        DemoError: a block directory that cannot be read, or ``steps`` that the block refuses
+            (the message says why).
         circuits_llm.runtime.checkpoint.CheckpointError: a run directory's files are damaged.
     """
     from circuits_llm.draft_block import BlockDrafter, DraftBlockError, load_draft_block
@@ -67,7 +69,8 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL"
         found = find_shipped_drafter(loaded, head.lower())
         if found is None:
             raise NoHeadError(no_drafter_message(head.lower(), model_name))
-        return load_shipped_drafter(found, loaded.model), f"shipped {found.kind} {found.name}"
+        return load_shipped_drafter(found, loaded.model, steps), \
+            f"shipped {found.kind} {found.name}"
     if (path / SHIPPED_MANIFEST).is_file():
         shipped = read_shipped_head(path)
         if not shipped.layout.has_block:
@@ -75,12 +78,12 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL"
         if not shipped.trained_for(backbone_identity(loaded.model)):
             raise ShippedHeadError(f"the draft block in {path} serves {shipped.model_name}, "
                                    "another model than this one; give its --model")
-        return load_shipped_drafter(shipped, loaded.model), str(path)
+        return load_shipped_drafter(shipped, loaded.model, steps), str(path)
     try:
         if (path / RECORD_FILE).is_file() and read_record(path)["config"].get("draft_block"):
-            return BlockDrafter(load_trained_block(path, loaded.model)), str(path)
+            return BlockDrafter(load_trained_block(path, loaded.model), steps), str(path)
         if (path / BLOCK_FILES[0]).is_file():  # a save_draft_block directory
-            return BlockDrafter(load_draft_block(path, loaded.model)), str(path)
+            return BlockDrafter(load_draft_block(path, loaded.model), steps), str(path)
     except DraftBlockError as error:
         raise DemoError(f"--head {head}: {error}") from None
     return None
@@ -134,11 +137,13 @@ def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compi
 
 def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                  lookup: tuple[float, ...] = (), packed: bool = False,
-                 walk: float = 0.0, model_name: str = "MODEL") -> tuple[Any, str]:
+                 walk: float = 0.0, model_name: str = "MODEL", draft_steps: int | None = None
+                 ) -> tuple[Any, str]:
     """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
     of the context into the drafts with ``lookup``'s weights, and under a constraint its walk
     with weight ``walk``; a speculative decoder on a CPU with ``packed``: the model's linear
-    weights packed for its verify blocks), and a description of it."""
+    weights packed for its verify blocks; a recursive draft block drafting ``draft_steps`` a
+    round, ``None``: its own depth), and a description of it."""
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     if head.lower() in AUTOREGRESSIVE_NAMES:
@@ -146,8 +151,12 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
             raise DemoError("--lookup mixes a copy of the context into a head's drafts: choose a "
                             "--head other than ar, or leave --lookup out")
         return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
-    found = block_drafter(head, loaded, model_name)
+    found = block_drafter(head, loaded, model_name, draft_steps)
     drafter: Any
+    if found is None and draft_steps is not None:
+        raise DemoError(f"--draft-steps sets a recursive draft block's depth; --head {head} is "
+                        f"not a draft block: give --head block (or a block's directory), or "
+                        f"leave --draft-steps out")
     if found is not None:  # a draft block: its drafter takes the head's place
         drafter, where = found
         if packed:
