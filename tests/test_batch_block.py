@@ -42,7 +42,14 @@ from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.metrics import BatchResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, target_probs, warp_logits
-from circuits_llm.draft_block import BlockCacheFollower, BlockCircuitDrafter, BlockDrafter, DraftBlock
+from circuits_llm.draft_block import (
+    BatchDepth,
+    BlockCacheFollower,
+    BlockCircuitDrafter,
+    BlockDrafter,
+    DraftBlock,
+    DraftBlockError,
+)
 from circuits_llm.draft_block import batch as block_batch
 from circuits_llm.draft_block.training import BlockFeatures, train_block
 from circuits_llm.heads import MTPHead
@@ -367,6 +374,82 @@ def test_sampled_rows_follow_the_target_law_and_reject_the_biased_variant() -> N
         p_values[policy] = [law_p_value(row, law) for row, law in zip(samples, laws, strict=True)]
     assert min(p_values[CorrectionPolicy.EXACT]) > 1e-3
     assert min(p_values[CorrectionPolicy.DROP_AFTER_ACCEPT]) < 1e-4
+
+
+def test_a_batch_depth_drafts_fewer_and_keeps_every_row_exact(steps: str,
+                                                               drafters: dict[str, Any]) -> None:
+    """``BatchDepth(((2, 1),))``: while 2 or more rows draft, each draws and verifies 1 draft a
+    round (one row alone: all 3). Greedy rows are ``generate``; sampled rows with per-row
+    generators are the same whether the rows' block steps run in one call or one per row (the
+    depth is the batch's, not the path's)."""
+    trained = drafters["recursive"]
+    drafter = BlockDrafter(trained.block, batch_depth=BatchDepth(((2, 1),)))
+    decoder = SpeculativeDecoder(MODEL, drafter)
+    result = decoder.generate(PROMPTS, LIMITS, eos_token_id=())
+    assert result.tokens == [_generate(prompt, count)
+                             for prompt, count in zip(PROMPTS, LIMITS, strict=True)]
+    drafted = [r.drafted for row in result.rows for r in row.rounds]
+    assert max(drafted) == 3 and 1 in drafted  # deep while alone, shallow in company
+    assert result.summary.accepted > 0
+    sampled = {}
+    for one_call in (True, False):
+        block_batch.ONE_BLOCK_CALL = one_call
+        try:
+            sampled[one_call] = decoder.generate(
+                PROMPTS, LIMITS, 1.0, generator=[torch.Generator().manual_seed(s) for s in
+                                                 (31, 32, 33, 34)], eos_token_id=()).tokens
+        finally:
+            block_batch.ONE_BLOCK_CALL = steps == "one-call"
+    assert sampled[True] == sampled[False]
+
+
+def test_sampled_rows_under_a_batch_depth_follow_the_target_law(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 3, one draft a round while 2 or more rows draft: each row's first two tokens against
+    the target law (500 batches); the negative control hands the accept test a wrong ``q`` (the
+    drawn law squared and renormalised; 1,000 batches) and is rejected, so the test can fail."""
+    config, length = SamplingConfig(1.0), 2
+    laws = [target_law(NextTokenLogits(SMALL), prompt, length, config)  # type: ignore[arg-type]
+            for prompt in SMALL_PROMPTS]
+    block = _small_block()
+    draw_step = block_batch.draw_step
+
+    def wrong_q(*args: Any, **kwargs: Any) -> Any:
+        index, token, law = draw_step(*args, **kwargs)
+        if law is not None:
+            law = law ** 2 / (law ** 2).sum(-1, keepdim=True)
+        return index, token, law
+
+    p_values = {}
+    for control in (False, True):
+        if control:
+            monkeypatch.setattr(block_batch, "draw_step", wrong_q)
+        decoder = SpeculativeDecoder(SMALL, BlockDrafter(block, batch_depth=BatchDepth(((2, 1),))))
+        generator = torch.Generator().manual_seed(99)
+        samples: list[list[tuple[int, ...]]] = [[] for _ in SMALL_PROMPTS]
+        for _ in range(1000 if control else 500):
+            result = decoder.generate(SMALL_PROMPTS, length, temperature=1.0,
+                                      generator=generator, eos_token_id=())
+            for row, tokens in zip(samples, result.tokens, strict=True):
+                row.append(tuple(tokens))
+        p_values[control] = [law_p_value(row, law) for row, law in zip(samples, laws, strict=True)]
+    assert min(p_values[False]) > 1e-3
+    assert min(p_values[True]) < 1e-4
+
+
+def test_a_bad_batch_depth_says_what_was_wrong() -> None:
+    for steps in ((), ((4, 0),), ((4, 2), (2, 1)), ((True, 2),), [(4, 2)]):
+        with pytest.raises(DraftBlockError, match="BatchDepth takes"):
+            BatchDepth(steps)  # type: ignore[arg-type]
+    with pytest.raises(DraftBlockError, match="batch_depth must be a BatchDepth"):
+        BlockDrafter(_small_block(), batch_depth=((4, 2),))  # type: ignore[arg-type]
+    program = BlockDrafter(_small_block()).round_program(SamplingConfig(0.0))
+    with pytest.raises(DraftBlockError, match=r"depth must be an int in 1..2"):
+        program.draft(torch.zeros(1, 32, dtype=torch.float64), torch.tensor([1]), None, depth=3)
+    assert BatchDepth(((4, 2), (8, 1))).drafts(9, 5) == 1
+    assert BatchDepth(((4, 2),)).drafts(3, 5) == 5 and BatchDepth(((4, 7),)).drafts(4, 5) == 5
+    assert BatchDepth.for_device(torch.device("cpu")) == BatchDepth(((4, 2),))
+    assert BatchDepth.for_device(torch.device("cuda")) is None
 
 
 def test_a_subclassed_drafter_drafts_row_by_row(drafters: dict[str, Any]) -> None:

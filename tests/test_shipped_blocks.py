@@ -363,6 +363,30 @@ def test_generate_sets_the_recursive_depth_and_refuses_it_elsewhere(
         assert message in err and "Traceback" not in err
 
 
+def test_a_prompts_file_with_the_block_drafts_less_in_a_batch_and_stays_exact(
+        smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``generate --prompts-file --head block --batch-size 4`` on a CPU drafts 2 a round while 4
+    rows draft (said on stderr), and each request's greedy text is the one it gets alone;
+    ``--draft-steps`` fixes the depth instead."""
+    monkeypatch.setattr("circuits_llm.app.commands.load_model", lambda spec, device=None: smollm2)
+    prompts = ["def main(", "import os\n", "x = [", "class A:"]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    common = ["generate", "--model", "smollm2", "--max-new-tokens", "8", "--plain-linear",
+              "--cache-dir", str(tmp_path)]
+    alone = []
+    for prompt in prompts:
+        assert cli_main([*common, "--prompt", prompt, "--head", "ar"]) == 0
+        alone.append(capsys.readouterr().out[:-1])
+    for extra, said in (((), "in a batch 2 drafts from 4 rows"), (("--draft-steps", "3"), None)):
+        assert cli_main([*common, "--prompts-file", str(requests), "--head", "block",
+                         "--batch-size", "4", *extra]) == 0
+        out, err = capsys.readouterr()
+        assert [json.loads(line)["text"] for line in out.splitlines()] == alone
+        assert (said in err) if said else "in a batch" not in err
+
+
 def test_the_face_and_the_demo_find_the_smollm2_blocks(smollm2: LoadedModel) -> None:
     found = find_blocks(smollm2.model, demo_module.ComparisonConfig.demo().blocks)
     assert [s.name for s in found] == ["smollm2-block", "smollm2-btree-block"]

@@ -285,10 +285,14 @@ def _generate(args: argparse.Namespace) -> int:
     batch = check_batch_arguments(args)
     loaded = load_model(args.model, device)
     if batch:  # many requests, decoded in batches (circuits_llm.app.batch_generate)
+        from circuits_llm.draft_block import BatchDepth
+        # a recursive block drafts less in bigger batches where that was measured faster,
+        # unless --draft-steps fixes its depth
+        depth = BatchDepth.for_device(device) if args.draft_steps is None else None
         decoder, description = decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
                                             lookup=args.lookup, packed=not args.plain_linear,
                                             model_name=str(args.model),
-                                            draft_steps=args.draft_steps)
+                                            draft_steps=args.draft_steps, batch_depth=depth)
         return run_prompts_file(args, decoder, description, loaded)
     tokenizer = loaded.tokenizer
     prompt = tokenizer.encode_prompt(args.prompt, chat=args.chat, system=args.system)
@@ -356,8 +360,9 @@ def add_commands(sub: Any) -> None:
                           "save_head's or save_draft_block's)")
     gen.add_argument("--draft-steps", type=_positive_int, default=None, metavar="K",
                      help="recursive drafts a round for a draft block (--head block or a "
-                          "block's directory; default: its shipped depth, 5 for SmolLM2's). On a "
-                          "CPU, 2 decodes batches of 8 faster (docs/results.md)")
+                          "block's directory; default: its shipped depth, 5 for SmolLM2's, and "
+                          "with --prompts-file on a CPU 2 while 4 or more rows draft, measured "
+                          "faster there: docs/results.md)")
     gen.add_argument("--max-new-tokens", type=_non_negative_int, default=128,
                      help="the most tokens to generate (fewer at EOS or a --stop string)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

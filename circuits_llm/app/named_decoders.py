@@ -137,13 +137,14 @@ def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compi
 
 def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                  lookup: tuple[float, ...] = (), packed: bool = False,
-                 walk: float = 0.0, model_name: str = "MODEL", draft_steps: int | None = None
-                 ) -> tuple[Any, str]:
+                 walk: float = 0.0, model_name: str = "MODEL", draft_steps: int | None = None,
+                 batch_depth: Any = None) -> tuple[Any, str]:
     """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
     of the context into the drafts with ``lookup``'s weights, and under a constraint its walk
     with weight ``walk``; a speculative decoder on a CPU with ``packed``: the model's linear
     weights packed for its verify blocks; a recursive draft block drafting ``draft_steps`` a
-    round, ``None``: its own depth), and a description of it."""
+    round, ``None``: its own depth, and in a batch as ``batch_depth`` says, a
+    :class:`~circuits_llm.draft_block.BatchDepth`), and a description of it."""
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     if head.lower() in AUTOREGRESSIVE_NAMES:
@@ -159,6 +160,9 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                         f"leave --draft-steps out")
     if found is not None:  # a draft block: its drafter takes the head's place
         drafter, where = found
+        if batch_depth is not None and hasattr(drafter, "batch_depth"):  # a recursive block
+            drafter.batch_depth = batch_depth
+            where += f"; in a batch {batch_depth.describe()}"
         if packed:
             pack_for_verify_blocks(loaded.model, drafter.window, loaded.model.device)
         backbone = HFBackbone(loaded.model, compile=compile, compiled_lengths=sorted(

@@ -233,7 +233,10 @@ class SpeculativeRows:
                                            tapes, self._components(program, rows))
         else:
             drafts = self._draft_heads(program, rows, hidden, c, tapes)
-        lengths = [program.static_length] * len(rows) if program.static_length is not None \
+        static = program.static_length
+        if static is not None and self.block_rows is not None:  # a batch may draft fewer
+            static = min(static, self.block_rows.drafts(len(rows), program.window))
+        lengths = [static] * len(rows) if static is not None \
             else torch.stack([draft.length for draft in drafts]).tolist()  # one host read
         return [RowDraft(program, draft, None if uniforms is None else uniforms[b], lengths[b])
                 for b, draft in enumerate(drafts)]

@@ -17,13 +17,14 @@ block's own weights and a checked config, refused for another model). ``train-he
 (:mod:`circuits_llm.training.block_trainer`) trains one in the head-training loop.
 """
 
+from circuits_llm.draft_block.batch_depth import BatchDepth
 from circuits_llm.draft_block.block import BlockInit, DraftBlock, DraftBlockError
 from circuits_llm.draft_block.circuit_drafter import BlockCircuitDrafter, BlockCircuitRoundProgram
 from circuits_llm.draft_block.drafter import BlockCacheFollower, BlockDrafter, BlockRoundProgram
 from circuits_llm.draft_block.io import DraftBlockFileError, load_draft_block, save_draft_block
 from circuits_llm.draft_block.step import BlockKVCache, BlockStep, BlockStepMode
 
-__all__ = ["BlockCacheFollower", "BlockCircuitDrafter", "BlockCircuitRoundProgram", "BlockDrafter",
-           "BlockInit", "BlockKVCache", "BlockRoundProgram", "BlockStep", "BlockStepMode",
-           "DraftBlock", "DraftBlockError", "DraftBlockFileError", "load_draft_block",
-           "save_draft_block"]
+__all__ = ["BatchDepth", "BlockCacheFollower", "BlockCircuitDrafter", "BlockCircuitRoundProgram",
+           "BlockDrafter", "BlockInit", "BlockKVCache", "BlockRoundProgram", "BlockStep",
+           "BlockStepMode", "DraftBlock", "DraftBlockError", "DraftBlockFileError",
+           "load_draft_block", "save_draft_block"]

@@ -66,7 +66,8 @@ from circuits_llm.draft_block.drafter import (
     draw_step,
 )
 
-__all__ = ["ONE_BLOCK_CALL", "BlockRow", "BlockRows", "PaddedBlockRows", "PaddedRow", "block_rows"]
+__all__ = ["ONE_BLOCK_CALL", "BlockRow", "BlockRows", "PaddedBlockRows", "PaddedRow", "batch_drafts",
+           "block_rows"]
 
 #: run every row's block step in one block call (:class:`PaddedBlockRows`); False: one call per
 #: row (:class:`BlockRows`, the plain reference the tests compare with)
@@ -86,6 +87,14 @@ def block_rows(drafter: object) -> BlockRows | PaddedBlockRows:
     if ONE_BLOCK_CALL and type(drafter) in (BlockDrafter, BlockCircuitDrafter):
         return PaddedBlockRows(drafter)
     return BlockRows(drafter)
+
+
+def batch_drafts(drafter: object, rows: int, window: int) -> int:
+    """The drafts a row draws in a round where ``rows`` rows draft with ``window``: the recursive
+    drafter's :attr:`~circuits_llm.draft_block.drafter.BlockDrafter.batch_depth`, else all
+    ``window - 1`` (a circuit on the block drafts its whole window)."""
+    depth = getattr(drafter, "batch_depth", None)
+    return window - 1 if depth is None else depth.drafts(rows, window - 1)
 
 
 def _circuit_drafts(program: BlockCircuitRoundProgram, outputs: Tensor, c: Tensor,
@@ -191,10 +200,16 @@ class BlockRows:
         """
         if type(program) is BlockCircuitRoundProgram:
             return self._draft_circuit(program, rows, hidden, c, uniforms, components)
+        depth = batch_drafts(self.drafter, len(rows), program.window)
         return [row.program(program).draft(hidden[b:b + 1], c[b:b + 1],
                                            None if uniforms is None else uniforms[b],
-                                           None if components is None else components[b])
+                                           None if components is None else components[b],
+                                           depth=depth)
                 for b, row in enumerate(rows)]
+
+    def drafts(self, rows: int, window: int) -> int:
+        """Drafts each row draws in a round of ``rows`` drafting rows with ``window``."""
+        return batch_drafts(self.drafter, rows, window)
 
     @staticmethod
     def _draft_circuit(program: BlockCircuitRoundProgram, rows: list[BlockRow], hidden: Tensor,
@@ -253,6 +268,10 @@ class PaddedBlockRows:
         BlockRows(drafter)  # the same refusal of other context drafters
         self.drafter: BlockCacheFollower = drafter  # type: ignore[assignment]
         self.block = self.drafter.block
+
+    def drafts(self, rows: int, window: int) -> int:
+        """As :meth:`BlockRows.drafts`."""
+        return batch_drafts(self.drafter, rows, window)
 
     def _pairs(self, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """``features`` (1, m, d) and ``tokens`` (m,) checked -> (m, d), (m,) on the block's
@@ -321,6 +340,7 @@ class PaddedBlockRows:
         block, config, window = self.block, program.config, program.window
         ids, device, batch = block.draft_tokens, c.device, len(rows)
         drafts = window - 1
+        depth = self.drafts(batch, window)  # drawn this round; the rest stay zeros, unverified
         given = torch.zeros(batch, drafts, dtype=torch.bool, device=device)
         proposals = torch.zeros(batch, drafts, dtype=torch.long, device=device)
         for b in range(batch if components is not None else 0):
@@ -331,7 +351,7 @@ class PaddedBlockRows:
             proposals[b, :count] = proposal[:count].to(device)
         wants_laws = uniforms is not None or program.draft_length.needs_conditionals
         indices, laws, finite = [], [], []
-        for step in range(drafts):
+        for step in range(depth):
             logits = block.logits(output)  # (B, K)
             finite.append(torch.isfinite(logits).all(-1))
             index, _, law = draw_step(logits, config, None if uniforms is None
@@ -341,8 +361,12 @@ class PaddedBlockRows:
             if law is not None:
                 laws.append(law)
             indices.append(index)
-            if step < drafts - 1:
+            if step < depth - 1:
                 output = self._step(rows, list(output[:, None]), list(token[:, None]))
+        for _ in range(drafts - depth):  # never verified (L <= depth), as after a dead end
+            indices.append(torch.zeros_like(indices[0]))
+            if laws:
+                laws.append(torch.zeros_like(laws[0]))
         chosen = torch.stack(indices, 1)  # (B, k) draft-vocabulary indices
         tokens = chosen if ids is None else ids.to(device)[chosen]
         blocks = torch.cat([c[:, None], tokens], 1)
@@ -354,7 +378,7 @@ class PaddedBlockRows:
             q_b = None if q is None else q[b]
             if components is not None and q_b is not None:
                 q_b = mixed_conditionals(q_b, chosen[b], components[b].to(device))
-            length = program.draft_length.decide(q_b, chosen[b])
+            length = program.draft_length.decide(q_b, chosen[b]).clamp(max=depth)
             results.append(DraftResult(blocks[b, 1:], blocks[b:b + 1],
                                        None if uniforms is None else q_b, head_ok[b], possible,
                                        length))

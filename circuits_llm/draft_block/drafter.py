@@ -50,6 +50,7 @@ from circuits_llm.decoding.lookup import ContextLookup, mixed_conditionals, unpa
 from circuits_llm.decoding.round import AcceptProgram
 from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
+from circuits_llm.draft_block.batch_depth import BatchDepth
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError, check_pairs
 from circuits_llm.draft_block.step import BlockKVCache, BlockStep, BlockStepMode
 from circuits_llm.runtime.compiling import Compiler
@@ -222,6 +223,9 @@ class BlockDrafter(BlockCacheFollower):
             the trained depths each further draft is accepted less often, and a longer window pays
             where the text repeats (greedy decoding of code, with the context copy).
         step_mode: when the block's calls run compiled (:class:`BlockCacheFollower`).
+        batch_depth: in a batch of prompts, the recursion's depth by the number of rows drafting
+            (:class:`~circuits_llm.draft_block.batch_depth.BatchDepth`; ``None``: ``k`` always).
+            One prompt alone always drafts ``k``.
 
     Attributes:
         window: ``k + 1``: the verified token and the block's ``k`` recursive drafts.
@@ -232,8 +236,13 @@ class BlockDrafter(BlockCacheFollower):
     """
 
     def __init__(self, block: DraftBlock, steps: int | None = None, *,
-                 step_mode: BlockStepMode = BlockStepMode.AUTO) -> None:
+                 step_mode: BlockStepMode = BlockStepMode.AUTO,
+                 batch_depth: BatchDepth | None = None) -> None:
         super().__init__(block, step_mode)
+        if batch_depth is not None and not isinstance(batch_depth, BatchDepth):
+            raise DraftBlockError(f"batch_depth must be a BatchDepth or None, got "
+                                  f"{batch_depth!r}")
+        self.batch_depth = batch_depth
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
                                   or steps < 1):
             raise DraftBlockError(f"steps must be a positive integer (recursive drafts per "
@@ -330,12 +339,17 @@ class BlockRoundProgram(AcceptProgram):
         return self.window - 1 if draft.length is None else int(draft.length)
 
     def draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
-              component: Tensor | None = None) -> DraftResult:
+              component: Tensor | None = None, *, depth: int | None = None) -> DraftResult:
         """``hidden`` (1, d) the seed feature, ``c`` (1,) long the verified token, ``uniforms``
         from :meth:`draw_uniforms` (None when greedy), ``component`` the round's copy component
         (n+1,) float64 (exactly with a ``lookup``) -> :class:`DraftResult` with ``q`` (k, K)
-        float64, the law each draft was drawn from (None when greedy)."""
-        return self._recurse(hidden, c, uniforms, None, component)
+        float64, the law each draft was drawn from (None when greedy).
+
+        ``depth``: draw only the first ``depth <= k`` drafts this round (a batch's
+        :class:`~circuits_llm.draft_block.batch.BatchDepth`, fixed before the round's draws, so
+        ``L`` stays a stopping time): ``L`` is at most ``depth``; the rows of ``q`` and the
+        tokens after it are zeros, never verified (as after a constraint's dead end)."""
+        return self._recurse(hidden, c, uniforms, None, component, depth)
 
     def constrained_draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
                           constraint: ConstraintTracker, component: Tensor | None = None
@@ -392,9 +406,10 @@ class BlockRoundProgram(AcceptProgram):
         return active and chosen, proposal.to(self.drafter.device)
 
     def _recurse(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
-                 constraint: ConstraintTracker | None, component: Tensor | None) -> DraftResult:
-        """The recursion: the block's first step, then a step per further draft (see
-        :meth:`draft` and :meth:`constrained_draft`)."""
+                 constraint: ConstraintTracker | None, component: Tensor | None,
+                 depth: int | None = None) -> DraftResult:
+        """The recursion: the block's first step, then a step per further draft, up to ``depth``
+        drafts (see :meth:`draft` and :meth:`constrained_draft`)."""
         greedy = uniforms is None
         if greedy != self.config.greedy:
             raise DraftBlockError("uniforms must be given exactly when sampling")
@@ -403,6 +418,11 @@ class BlockRoundProgram(AcceptProgram):
         copying, proposal = self.copying(component, uniforms)
         count = 0 if component is None else int(unpack(component)[1])
         drafts, device = self.window - 1, self.drafter.device
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                                  or not 1 <= depth <= drafts):
+            raise DraftBlockError(f"depth must be an int in 1..{drafts} (the drafts a round "
+                                  f"draws), got {depth!r}")
+        limit = drafts if depth is None else depth
         wants_laws = not greedy or self.draft_length.needs_conditionals
         with torch.no_grad():
             output = self.drafter.first_step(hidden, c)  # once a round, whatever follows
@@ -410,9 +430,9 @@ class BlockRoundProgram(AcceptProgram):
             size = self.vocab_size if self.draft_tokens is None else self.draft_tokens.numel()
             q = torch.zeros(drafts, size, dtype=torch.float64, device=device) \
                 if wants_laws else None
-            finite, reachable = [], drafts
+            finite, reachable = [], limit
             state = -1 if constraint is None else constraint.state
-            for step in range(drafts):
+            for step in range(limit):
                 logits = self.drafter.block.logits(output)[0]  # (K,)
                 finite.append(torch.isfinite(logits).all())
                 if constraint is not None:
@@ -431,7 +451,7 @@ class BlockRoundProgram(AcceptProgram):
                     q[step] = law
                 if constraint is not None:
                     state = constraint.automaton.advance(state, int(token))
-                if step < drafts - 1:
+                if step < limit - 1:
                     output = self.drafter.next_step(output, token[None])
             tokens = indices if self.draft_tokens is None else self.draft_tokens[indices]
             block = torch.cat([c.to(tokens.device), tokens])[None]
@@ -440,7 +460,7 @@ class BlockRoundProgram(AcceptProgram):
                 q = mixed_conditionals(q, indices, component.to(device))
             length = self.draft_length.decide(q, indices)
             possible = torch.ones((), dtype=torch.bool, device=device)
-            if constraint is not None:
+            if constraint is not None or reachable < drafts:
                 length = length.clamp(max=reachable)
                 possible = torch.tensor(reachable > 0, device=device)
             return DraftResult(block[0, 1:], block, None if greedy else q, head_ok, possible,
