@@ -10,7 +10,10 @@ later depths read the block's own outputs, and a training loop on cached prefill
 per round, its output read by any circuit head that drafts the whole window with its exact joint
 law; :func:`circuits_llm.training.block_circuit.train_block_head` trains such a head with the MTP
 loss on the frozen block's outputs);
-:mod:`~circuits_llm.draft_block.step` (:class:`BlockStep`: the block's decode step over a
+:mod:`~circuits_llm.draft_block.follower` (:class:`BlockCacheFollower`: the block's KV cache of
+one sequence, kept in step with the verifier's, which both drafters share);
+:mod:`~circuits_llm.draft_block.batch_depth` (:class:`BatchDepth`: the recursion's depth in a
+batch); :mod:`~circuits_llm.draft_block.step` (:class:`BlockStep`: the block's decode step over a
 preallocated KV cache of one sequence, eager or compiled, which the drafters run);
 :mod:`~circuits_llm.draft_block.io` (:func:`save_draft_block` / :func:`load_draft_block`: the
 block's own weights and a checked config, refused for another model). ``train-head --draft-block``
@@ -20,7 +23,8 @@ block's own weights and a checked config, refused for another model). ``train-he
 from circuits_llm.draft_block.batch_depth import BatchDepth
 from circuits_llm.draft_block.block import BlockInit, DraftBlock, DraftBlockError
 from circuits_llm.draft_block.circuit_drafter import BlockCircuitDrafter, BlockCircuitRoundProgram
-from circuits_llm.draft_block.drafter import BlockCacheFollower, BlockDrafter, BlockRoundProgram
+from circuits_llm.draft_block.drafter import BlockDrafter, BlockRoundProgram
+from circuits_llm.draft_block.follower import BlockCacheFollower
 from circuits_llm.draft_block.io import DraftBlockFileError, load_draft_block, save_draft_block
 from circuits_llm.draft_block.step import BlockKVCache, BlockStep, BlockStepMode
 

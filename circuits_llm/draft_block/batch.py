@@ -1,6 +1,6 @@
 """A draft block in a batch of prompts: each row keeps its own block state, exact per row.
 
-A :class:`~circuits_llm.draft_block.drafter.BlockCacheFollower` (a
+A :class:`~circuits_llm.draft_block.follower.BlockCacheFollower` (a
 :class:`~circuits_llm.draft_block.drafter.BlockDrafter` or a
 :class:`~circuits_llm.draft_block.circuit_drafter.BlockCircuitDrafter`) keeps ONE sequence's state:
 the block's KV cache, how many of its positions hold verified pairs, and the pending pairs of the
@@ -59,12 +59,8 @@ from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig
 from circuits_llm.draft_block.block import check_pairs
 from circuits_llm.draft_block.circuit_drafter import BlockCircuitDrafter, BlockCircuitRoundProgram
-from circuits_llm.draft_block.drafter import (
-    BlockCacheFollower,
-    BlockDrafter,
-    BlockRoundProgram,
-    draw_step,
-)
+from circuits_llm.draft_block.drafter import BlockDrafter, BlockRoundProgram, draw_step
+from circuits_llm.draft_block.follower import BlockCacheFollower
 
 __all__ = ["ONE_BLOCK_CALL", "BlockRow", "BlockRows", "PaddedBlockRows", "PaddedRow", "batch_drafts",
            "block_rows"]
@@ -139,7 +135,7 @@ class BlockRows:
 
     Args:
         drafter: the decoder's context drafter, a
-            :class:`~circuits_llm.draft_block.drafter.BlockCacheFollower` (``BlockDrafter`` or
+            :class:`~circuits_llm.draft_block.follower.BlockCacheFollower` (``BlockDrafter`` or
             ``BlockCircuitDrafter``); it is only copied, its own state is never touched.
 
     Raises:
@@ -229,7 +225,7 @@ class BlockRows:
 @dataclass
 class PaddedRow:
     """One row's draft-block state for :class:`PaddedBlockRows`: what a
-    :class:`~circuits_llm.draft_block.drafter.BlockCacheFollower` keeps for one sequence.
+    :class:`~circuits_llm.draft_block.follower.BlockCacheFollower` keeps for one sequence.
 
     Attributes:
         cache: the row's own block KV cache (batch 1).

@@ -2,7 +2,7 @@
 exact joint law over the whole window from any circuit head.
 
 A round runs the :class:`~circuits_llm.draft_block.block.DraftBlock` ONCE, at the last verified
-position: its first step (:meth:`~circuits_llm.draft_block.drafter.BlockCacheFollower.first_step`)
+position: its first step (:meth:`~circuits_llm.draft_block.follower.BlockCacheFollower.first_step`)
 appends the pending pairs of the previous round's accepted positions and the round's own pair
 ``(h_{N-2}, c)`` to the block's KV cache, and returns the block's output ``o_1`` (1, d) there,
 which has read the whole context through the block's attention. ``o_1`` is then the hidden state
@@ -27,7 +27,7 @@ to a head: the context copy (``lookup``), every ``draft_length`` rule, and a con
 and respelling included); every path calls the block exactly once a round.
 
 The cache follows the verifier exactly as :class:`~circuits_llm.draft_block.drafter.BlockDrafter`'s
-does (the shared :class:`~circuits_llm.draft_block.drafter.BlockCacheFollower`), and here there are
+does (the shared :class:`~circuits_llm.draft_block.follower.BlockCacheFollower`), and here there are
 no speculative entries at all: only verified pairs ever enter the cache.
 
 The block's own draft vocabulary (that of its LM-head readout, used by recursive drafting and
@@ -46,7 +46,7 @@ from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
-from circuits_llm.draft_block.drafter import BlockCacheFollower
+from circuits_llm.draft_block.follower import BlockCacheFollower
 from circuits_llm.draft_block.step import BlockStepMode
 from circuits_llm.protocols import draft_head_problem
 from circuits_llm.runtime.compiling import Compiler
@@ -98,7 +98,7 @@ class BlockCircuitDrafter(BlockCacheFollower):
             :class:`~circuits_llm.protocols.DraftHead`) of the block's hidden size and
             vocabulary, on the block's device.
         step_mode: when the block's calls run compiled
-            (:class:`~circuits_llm.draft_block.drafter.BlockCacheFollower`).
+            (:class:`~circuits_llm.draft_block.follower.BlockCacheFollower`).
 
     Attributes:
         head: the circuit head.
@@ -139,7 +139,7 @@ class BlockCircuitRoundProgram(RoundProgram):
     """A circuit head's round program whose hidden state is the block's output.
 
     :meth:`head_hidden` runs the block's one step (its cache grows by the verified pairs; compiled
-    with ``compile``, :meth:`~circuits_llm.draft_block.drafter.BlockCacheFollower.compile_steps`)
+    with ``compile``, :meth:`~circuits_llm.draft_block.follower.BlockCacheFollower.compile_steps`)
     and returns ``o_1`` (1, d); :meth:`RoundProgram.draft` calls it once a round and runs the head
     and the circuit (compiled with ``compile``) on it, with the copy component and the draft-length
     rule as for a head, and the decoder's product drafting under a constraint calls it once a
