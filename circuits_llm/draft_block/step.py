@@ -246,31 +246,35 @@ class BlockStep:
                     values: list[Tensor], cos: Tensor, sin: Tensor, slots: Tensor) -> Tensor:
         """The compiled program: ``hidden`` (1, r, d), ``tokens`` (1, r) at ``positions`` (r,),
         attending to all ``C`` slots under ``slot <= position`` -> (1, r, d)."""
-        x = self.block.fused_input(hidden, tokens)
         angles = cos.index_select(0, positions)[None], sin.index_select(0, positions)[None]
         allowed = slots[None, :] <= positions[:, None]  # (r, C)
-        for layer, k, v in zip(self.block.layers, keys, values, strict=True):
-            x = self._layer(layer, x, angles, k, v, positions, k, v, allowed)
-        return x
+        return self._layers(hidden, tokens, positions, angles, keys, values, allowed, None)
 
     def _call(self, keys: list[Tensor], values: list[Tensor], cos: Tensor, sin: Tensor,
               slots: Tensor, hidden: Tensor, tokens: Tensor, start: int, end: int) -> Tensor:
         """The eager call: positions ``start .. end - 1`` attending to the held slots only."""
         positions = slots[start:end]
-        x = self.block.fused_input(hidden, tokens)
         angles = cos[start:end][None], sin[start:end][None]
         allowed = None if end - start == 1 else slots[None, :end] <= positions[:, None]
+        return self._layers(hidden, tokens, positions, angles, keys, values, allowed, end)
+
+    def _layers(self, hidden: Tensor, tokens: Tensor, positions: Tensor,
+                angles: tuple[Tensor, Tensor], keys: list[Tensor], values: list[Tensor],
+                allowed: Tensor | None, held: int | None) -> Tensor:
+        """The fused input through every layer (:meth:`_layer`), attending to the first ``held``
+        slots (``None``: all ``C``)."""
+        x = self.block.fused_input(hidden, tokens)
         for layer, k, v in zip(self.block.layers, keys, values, strict=True):
-            x = self._layer(layer, x, angles, k, v, positions, k[:, :, :end], v[:, :, :end],
-                            allowed)
+            x = self._layer(layer, x, angles, k, v, positions, allowed, held)
         return x
 
     def _layer(self, layer: torch.nn.Module, x: Tensor, angles: tuple[Tensor, Tensor],
-               keys: Tensor, values: Tensor, positions: Tensor, attended_keys: Tensor,
-               attended_values: Tensor, allowed: Tensor | None) -> Tensor:
+               keys: Tensor, values: Tensor, positions: Tensor, allowed: Tensor | None,
+               held: int | None) -> Tensor:
         """One decoder layer on ``x`` (1, r, d) at ``positions`` (r,): its new keys and values
-        written to their slots of ``keys``/``values`` (1, H_kv, C, D), then attention over
-        ``attended_*`` (1, H_kv, S, D) under ``allowed`` (r, S) bool (``None``: everything)."""
+        written to their slots of ``keys``/``values`` (1, H_kv, C, D), then attention over the
+        first ``S = held`` slots (``None``: all ``C``) under ``allowed`` (r, S) bool (``None``:
+        everything)."""
         attention = layer.self_attn
         rows, size = x.shape[1], attention.head_dim
         groups = self.heads // keys.shape[1]
@@ -284,6 +288,8 @@ class BlockStep:
         # the query heads of one key head as one group of rows: (1, H_kv, groups * r, D)
         grouped = query.reshape(1, keys.shape[1], groups * rows, size)
         mask = None if allowed is None else allowed.repeat(groups, 1)
+        attended_keys = keys if held is None else keys[:, :, :held]
+        attended_values = values if held is None else values[:, :, :held]
         attended = functional.scaled_dot_product_attention(
             grouped, attended_keys, attended_values, attn_mask=mask, scale=attention.scaling)
         attended = attended.reshape(1, self.heads, rows, size).transpose(1, 2)
