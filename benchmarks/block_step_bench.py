@@ -1,7 +1,7 @@
 """What the draft block's own step (:mod:`circuits_llm.draft_block.step`) saves: one step's
 milliseconds, and a round's draft side against its verify, on SmolLM2 with the shipped block.
 
-Three ways to run the block's calls, on the same weights:
+Four ways to run the block's calls, the first three on the same weights:
 
 * ``hf layers``: Hugging Face's decoder layer over a ``DynamicCache`` (what drafting ran before
   the step existed; what training and the padded batch still run);
@@ -34,11 +34,11 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from circuits_llm.backbone.cache_slots import drop_last_positions
-from circuits_llm.draft_block import BlockDrafter, BlockStepMode, DraftBlock
+from circuits_llm.draft_block import BlockDrafter, BlockStepMode, DraftBlock, DraftWeights
 from circuits_llm.runtime.timing import interleaved, machine_info, medians, publish
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WAYS = ("hf layers", "eager step", "compiled step")
+WAYS = ("hf layers", "eager step", "compiled step", "int8 eager step")
 
 
 class HFLayersCache:
@@ -76,7 +76,8 @@ def drafter_for(way: str, block: DraftBlock, steps: int) -> BlockDrafter:
     """A recursive drafter on ``block`` whose calls run ``way`` (its round programs compiled or
     not)."""
     mode = BlockStepMode.COMPILED if way == "compiled step" else BlockStepMode.EAGER
-    drafter = BlockDrafter(block, steps, step_mode=mode)
+    weights = DraftWeights.INT8 if way.startswith("int8") else DraftWeights.AS_TRAINED
+    drafter = BlockDrafter(block, steps, step_mode=mode, weights=weights)
     if way == "hf layers":
         drafter.step = HFLayersStep(block)  # type: ignore[assignment]
         drafter.cache = drafter.step.new_cache()  # type: ignore[assignment]
@@ -88,7 +89,7 @@ def step_timings(block: DraftBlock, window: int, context: int, rounds: int) -> d
     and the readout, each way, after ``context`` cached positions."""
     d = block.hidden_size
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, context + window + 1, d, generator=generator).to(block.fuse.weight)
+    hidden = torch.randn(1, context + window + 1, d, generator=generator).to(block.device, block.dtype)
     tokens = torch.randint(0, 1000, (1, context + window + 1), generator=generator)
     candidates: dict[str, Callable[[], object]] = {}
     for way in WAYS:
@@ -108,7 +109,7 @@ def step_timings(block: DraftBlock, window: int, context: int, rounds: int) -> d
 
         candidates[f"{way}: one position"] = one
         candidates[f"{way}: first step of {window + 1}"] = first
-    output = torch.randn(1, d, generator=generator).to(block.fuse.weight)
+    output = torch.randn(1, d, generator=generator).to(block.device, block.dtype)
     candidates["readout"] = lambda: block.logits(output)
     with torch.no_grad():
         timed = medians(interleaved(candidates, rounds, warmup=3))
@@ -125,7 +126,7 @@ def decode_rounds(model_name: str, prompts: int, new_tokens: int, log: Callable[
     from circuits_llm.text.corpus import evaluation_prompts
     from circuits_llm.text.models import load_model
     loaded = load_model(model_name)
-    shipped = shipped_drafter(loaded, "block")
+    shipped = shipped_drafter(loaded, "block", weights=DraftWeights.AS_TRAINED)  # the trained one
     block, window = shipped.block, shipped.window
     log(pack_for_verify_blocks(loaded.model, window, torch.device("cpu")))
     texts = evaluation_prompts(loaded.tokenizer, prompts, 128)

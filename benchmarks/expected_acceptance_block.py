@@ -56,7 +56,7 @@ def block_depths(block: DraftBlock, hidden: Tensor, ids: Tensor, depths: int) ->
     step ``a``'s row ``t + a - 1`` being the round after ``c = x_{t+1}`` at its step ``a`` (step
     1 reads ``(h_t, x_{t+1})``, step ``a >= 2`` reads step ``a - 1``'s output with
     ``x_{t+a}``)."""
-    dtype, device = block.fuse.weight.dtype, block.fuse.weight.device
+    dtype, device = block.dtype, block.device
     passes = depth_outputs(block, hidden[None, :-1].to(device, dtype), ids[None, 1:].to(device),
                            depths)
     return [output[0] for output in passes]
@@ -164,7 +164,7 @@ def load_block_head(path: Path, block: DraftBlock, model: Any) -> Any:
             raise DraftBlockError(f"the head in {path} was trained on another draft block than "
                                   "--block's; give --block the block it was trained on")
     else:
-        head = load_head(path, block.hidden_size, block.vocab_size, device=block.fuse.weight.device)
+        head = load_head(path, block.hidden_size, block.vocab_size, device=block.device)
     check_block_head(block, head)
     return head.eval()
 
@@ -181,18 +181,23 @@ def load_block_drafters(block_dir: Path, head_dir: Path | None, model: Any
 
 def measure_block_drafters(block: DraftBlock, head: Any | None, model: Any,
                            texts: Sequence[Tensor], temperatures: Sequence[float], *,
-                           greedy: bool = False,
+                           greedy: bool = False, int8: bool = False,
                            log: Callable[[str], None] = lambda line: None
                            ) -> dict[str, dict[str, Any]]:
     """The CLI's rows for the draft block on ``model`` (the HF causal LM): ``"recursive block"``
     (:func:`measure_block`) and, with ``head``, ``"<architecture> on block"``
-    (:func:`measure_head_on_block` at each of ``temperatures``), logging each when done."""
+    (:func:`measure_head_on_block` at each of ``temperatures``), logging each when done; with
+    ``int8`` the same rows again for the block's int8 copy (what a drafter on a CPU holds by
+    default, :func:`~circuits_llm.draft_block.weights.int8_block`), named ``"..., int8"``."""
+    from circuits_llm.draft_block.weights import int8_block
     backbone = HFBackbone(model)
-    rows = {"recursive block": measure_block(block, backbone, texts, greedy=greedy)}
-    log("recursive block: done")
-    if head is not None:
-        name = f"{getattr(head, 'architecture', None) or 'head'} on block"
-        rows[name] = measure_head_on_block(head, block, backbone, texts, temperatures,
-                                           greedy=greedy)
-        log(f"{name}: done")
+    rows: dict[str, dict[str, Any]] = {}
+    for suffix, held in (("", block), *((", int8", int8_block(block)),) * int8):
+        rows[f"recursive block{suffix}"] = measure_block(held, backbone, texts, greedy=greedy)
+        log(f"recursive block{suffix}: done")
+        if head is not None:
+            name = f"{getattr(head, 'architecture', None) or 'head'} on block{suffix}"
+            rows[name] = measure_head_on_block(head, held, backbone, texts, temperatures,
+                                               greedy=greedy)
+            log(f"{name}: done")
     return rows

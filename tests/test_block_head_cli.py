@@ -16,7 +16,13 @@ from test_training import config, make_corpus, tiny_llama, train
 
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.decoder import SpeculativeDecoder
-from circuits_llm.draft_block import BlockCacheFollower, BlockCircuitDrafter, BlockInit, DraftBlock
+from circuits_llm.draft_block import (
+    BlockCacheFollower,
+    BlockCircuitDrafter,
+    BlockInit,
+    DraftBlock,
+    DraftWeights,
+)
 from circuits_llm.draft_block.io import save_draft_block
 from circuits_llm.heads import load_head
 from circuits_llm.runtime.checkpoint import load_checkpoint
@@ -144,7 +150,8 @@ def test_the_head_reads_the_block_output_the_drafter_gives() -> None:
     outputs = block_outputs(block, hidden, ids)
     assert outputs.shape == hidden.shape and not outputs[0, -1].any()
     for t in range(ids.shape[1] - 1):  # the round after the verified token x_{t+1}
-        follower = BlockCacheFollower(block)
+        # the block as trained (a drafter's default on a CPU is its int8 copy)
+        follower = BlockCacheFollower(block, weights=DraftWeights.AS_TRAINED)
         follower.begin(hidden[:, :t], ids[0, 1:t + 1])
         with torch.no_grad():
             expected = follower.first_step(hidden[:, t], ids[0, t + 1:t + 2])

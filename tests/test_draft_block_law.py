@@ -22,7 +22,7 @@ from circuits_llm.backbone import HFBackbone
 from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
 from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.decoding.warping import SamplingConfig, target_probs, warp_logits
-from circuits_llm.draft_block import BlockDrafter, BlockStepMode, DraftBlock
+from circuits_llm.draft_block import BlockDrafter, BlockStepMode, DraftBlock, DraftWeights
 from circuits_llm.runtime.compiling import use_compiler
 
 VOCAB = 4
@@ -37,8 +37,9 @@ def _target_law(length: int, config: SamplingConfig) -> Law:
 
 
 def _decoder_law(block: DraftBlock, length: int, config: SamplingConfig,
-                 wrong_q: bool = False) -> Law:
-    """The decoder's law, enumerated (two drafts per round)."""
+                 wrong_q: bool = False, weights: DraftWeights = DraftWeights.AS_TRAINED) -> Law:
+    """The decoder's law, enumerated (two drafts per round; the drafts' laws read by the block the
+    drafter runs, int8 under ``DraftWeights.INT8``)."""
     assert block.window == 3 and block.draft_tokens is not None
     ids = block.draft_tokens
     backbone = HFBackbone(MODEL)
@@ -51,14 +52,15 @@ def _decoder_law(block: DraftBlock, length: int, config: SamplingConfig,
     def round_outcomes(sequence: tuple[int, ...]) -> Law:
         outcomes: Law = defaultdict(float)
         _, hidden = backbone.hidden_states(torch.tensor([sequence[:-1]]))
-        drafter = BlockDrafter(block)
+        drafter = BlockDrafter(block, weights=weights)
         drafter.begin(hidden[:, :-1], torch.tensor(sequence[1:-1], dtype=torch.long))
+        readout = drafter.block.logits
         with torch.no_grad():
             first = drafter.first_step(hidden[:, -1], torch.tensor([sequence[-1]]))
-            q1 = law_of(block.logits(first))
+            q1 = law_of(readout(first))
             for d1 in ids.tolist():
                 drafter.drop_speculative()
-                q2 = law_of(block.logits(drafter.next_step(first, torch.tensor([d1]))))
+                q2 = law_of(readout(drafter.next_step(first, torch.tensor([d1]))))
                 for d2 in ids.tolist():
                     weight = float(q1[d1] * q2[d2])
                     if weight <= 0:
@@ -73,15 +75,19 @@ def _decoder_law(block: DraftBlock, length: int, config: SamplingConfig,
     return continuation_law(round_outcomes, PROMPT, length)
 
 
+@pytest.mark.parametrize("weights", [DraftWeights.AS_TRAINED, DraftWeights.INT8],
+                         ids=["as-trained", "int8"])
 @pytest.mark.parametrize("warp", list(WARPS))
-def test_enumerated_law_equals_target_and_a_wrong_q_is_detected(warp: str) -> None:
+def test_enumerated_law_equals_target_and_a_wrong_q_is_detected(warp: str,
+                                                                weights: DraftWeights) -> None:
     config = WARPS[warp]
     block = perturbed_block(MODEL, steps=2, draft_vocab=[0, 2, 3], noise=0.3)
     target = _target_law(3, config)
-    exact = _decoder_law(block, 3, config)
+    exact = _decoder_law(block, 3, config, weights=weights)
     assert abs(sum(exact.values()) - 1) < 1e-12
     assert total_variation(exact, target) <= 1e-9
-    assert total_variation(_decoder_law(block, 3, config, wrong_q=True), target) > 1e-3
+    wrong = _decoder_law(block, 3, config, wrong_q=True, weights=weights)
+    assert total_variation(wrong, target) > 1e-3
 
 
 @pytest.mark.parametrize(("trained", "steps"), [(2, None), (1, 2)],
@@ -94,6 +100,22 @@ def test_sampled_generate_follows_the_target_law(trained: int, steps: int | None
     samples = [tuple(decoder.generate(PROMPT, 2, temperature=1.0, generator=generator,
                                       eos_token_id=()).tokens.tolist()) for _ in range(800)]
     assert law_p_value(samples, _target_law(2, config)) > 1e-3
+
+
+def test_sampled_generate_with_int8_weights_follows_the_target_law() -> None:
+    """The chi-square with the block's projections in int8 (packed kernel: the toy's widths are
+    multiples of 16), and its negative control (a shifted first token)."""
+    block = perturbed_block(MODEL, steps=2, draft_vocab=[0, 2, 3], noise=0.3)
+    drafter = BlockDrafter(block, weights=DraftWeights.INT8)
+    assert drafter.weights is DraftWeights.INT8 and drafter.block is not block
+    decoder = SpeculativeDecoder(MODEL, drafter)
+    generator = torch.Generator().manual_seed(0)
+    samples = [tuple(decoder.generate(PROMPT, 2, temperature=1.0, generator=generator,
+                                      eos_token_id=()).tokens.tolist()) for _ in range(800)]
+    target = _target_law(2, WARPS["temperature"])
+    assert law_p_value(samples, target) > 1e-3
+    shifted = {((x[0] + 1) % VOCAB, *x[1:]): p for x, p in target.items()}
+    assert law_p_value(samples, shifted) < 1e-6
 
 
 def test_sampled_generate_with_compiled_block_calls_follows_the_target_law() -> None:

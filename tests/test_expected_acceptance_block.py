@@ -257,6 +257,15 @@ def test_the_cli_loads_the_block_and_its_head_and_measures_both(tmp_path: Path) 
             for key, value in want.items():
                 assert (got[key] is None) == (value is None), key
                 assert value is None or math.isclose(got[key], value, abs_tol=1e-12), key
+    # --int8: the same rows again for the block's int8 copy, measured on that copy
+    from circuits_llm.draft_block.weights import int8_block
+    both = measure_block_drafters(loaded_block, loaded_head, MODEL, texts, [1.0], greedy=True,
+                                  int8=True)
+    assert list(both) == ["recursive block", name, "recursive block, int8", f"{name}, int8"]
+    assert both["recursive block"] == rows["recursive block"]
+    int8_row = measure_block(int8_block(block), backbone, texts, greedy=True)
+    assert both["recursive block, int8"] == int8_row
+    assert int8_row != rows["recursive block"]  # the copy's laws differ (a little)
     with pytest.raises(BLOCK_LOAD_ERRORS):  # no head in the directory
         load_block_drafters(tmp_path / "block", tmp_path / "nothing", MODEL)
     narrow = block_circuit_head(tiny_llama(vocab=VOCAB + 2), "btree", 4, None)

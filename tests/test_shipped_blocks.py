@@ -338,7 +338,8 @@ def test_generate_sets_the_recursive_depth_and_refuses_it_elsewhere(
         smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """``generate --head block --draft-steps 2`` drafts 2 a round and prints the plain greedy
-    text; ``--draft-steps`` with a circuit on the block or a circuit head is one clear error."""
+    text; ``--draft-steps`` with a circuit on the block or a circuit head is one clear error; so
+    is ``--draft-weights`` with a circuit head, and the block's weights are int8 by default."""
     monkeypatch.setattr("circuits_llm.app.commands.load_model", lambda spec, device=None: smollm2)
     common = ["generate", "--model", "smollm2", "--prompt", "def fibonacci(n):",
               "--max-new-tokens", "16", "--plain-linear", "--cache-dir", str(tmp_path)]
@@ -361,6 +362,20 @@ def test_generate_sets_the_recursive_depth_and_refuses_it_elsewhere(
         assert cli_main([*common, "--head", head, "--draft-steps", "2"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+    # the block's projections: int8 by default on a CPU (said on stderr), as trained on request,
+    # the same text either way; --draft-weights without a block is one clear error
+    from circuits_llm.draft_block import DraftWeights
+    assert cli_main([*common, "--head", "block", "--draft-steps", "2"]) == 0
+    assert built[-1][0].weights is DraftWeights.INT8
+    assert "projections in int8" in capsys.readouterr().err
+    assert cli_main([*common, "--head", "block", "--draft-weights", "as-trained"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain and built[-1][0].weights is DraftWeights.AS_TRAINED
+    assert "int8" not in err
+    assert cli_main([*common, "--head", "btree", "--draft-weights", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-weights sets how a draft block's projections" in err
+    assert "Traceback" not in err
 
 
 def test_a_prompts_file_with_the_block_drafts_less_in_a_batch_and_stays_exact(

@@ -36,6 +36,7 @@ from circuits_llm.app.demo import (
 )
 from circuits_llm.app.head_cache import default_cache_dir
 from circuits_llm.app.named_decoders import AUTOREGRESSIVE_NAMES, decoder_for
+from circuits_llm.draft_block import BatchDepth, DraftWeights
 from circuits_llm.heads.shipped import is_block_kind
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
 from circuits_llm.text.chat_requests import PromptSet
@@ -285,14 +286,14 @@ def _generate(args: argparse.Namespace) -> int:
     batch = check_batch_arguments(args)
     loaded = load_model(args.model, device)
     if batch:  # many requests, decoded in batches (circuits_llm.app.batch_generate)
-        from circuits_llm.draft_block import BatchDepth
         # a recursive block drafts less in bigger batches where that was measured faster,
         # unless --draft-steps fixes its depth
         depth = BatchDepth.for_device(device) if args.draft_steps is None else None
         decoder, description = decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
                                             lookup=args.lookup, packed=not args.plain_linear,
                                             model_name=str(args.model),
-                                            draft_steps=args.draft_steps, batch_depth=depth)
+                                            draft_steps=args.draft_steps, batch_depth=depth,
+                                            draft_weights=DraftWeights(args.draft_weights))
         return run_prompts_file(args, decoder, description, loaded)
     tokenizer = loaded.tokenizer
     prompt = tokenizer.encode_prompt(args.prompt, chat=args.chat, system=args.system)
@@ -306,7 +307,8 @@ def _generate(args: argparse.Namespace) -> int:
     decoder, description = decoder_for(args.head, loaded, args.cache_dir or default_cache_dir(),
                                         args.compile, args.lookup, packed=not args.plain_linear,
                                         walk=walk, model_name=str(args.model),
-                                        draft_steps=args.draft_steps)
+                                        draft_steps=args.draft_steps,
+                                        draft_weights=DraftWeights(args.draft_weights))
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
     result = decoder.generate(torch.tensor(prompt), stop.max_new_tokens, args.temperature,
@@ -363,6 +365,12 @@ def add_commands(sub: Any) -> None:
                           "block's directory; default: its shipped depth, 5 for SmolLM2's, and "
                           "with --prompts-file on a CPU 2 while 4 or more rows draft, measured "
                           "faster there: docs/results.md)")
+    gen.add_argument("--draft-weights", choices=[w.value for w in DraftWeights],
+                     default=DraftWeights.AUTO.value,
+                     help="how a draft block's projections are held while drafting: int8 (a "
+                          "quarter of the bytes read; the output is unchanged, acceptance moves "
+                          "a little), as-trained, or auto (default: int8 on a CPU, where it was "
+                          "measured faster: docs/results.md)")
     gen.add_argument("--max-new-tokens", type=_non_negative_int, default=128,
                      help="the most tokens to generate (fewer at EOS or a --stop string)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

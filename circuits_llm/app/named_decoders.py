@@ -33,6 +33,7 @@ from circuits_llm.app.head_cache import (
     no_drafter_message,
 )
 from circuits_llm.app.shipping import ShippedDrafter, load_shipped_drafter
+from circuits_llm.draft_block import BatchDepth, DraftWeights
 from circuits_llm.heads.shipped import (
     BLOCK_FILES,
     SHIPPED_MANIFEST,
@@ -47,11 +48,13 @@ __all__ = ["AUTOREGRESSIVE_NAMES", "block_drafter", "decoder_for"]
 AUTOREGRESSIVE_NAMES = ("ar", "none")
 
 
-def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int | None = None
+def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int | None = None,
+                  weights: DraftWeights = DraftWeights.AUTO
                   ) -> tuple[ShippedDrafter, str] | None:
     """The draft block ``--head`` names, as the drafter the decoder takes, and where it came
     from; None when ``head`` names no block (a head kind, ``ar``, a head's directory). A
-    recursive block drafts ``steps`` a round (``None``: its shipped or trained depth).
+    recursive block drafts ``steps`` a round (``None``: its shipped or trained depth); the
+    drafter holds the block's projections as ``weights`` says.
 
     Raises:
         NoHeadError: a block kind that no shipped block of the model has.
@@ -69,7 +72,7 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int 
         found = find_shipped_drafter(loaded, head.lower())
         if found is None:
             raise NoHeadError(no_drafter_message(head.lower(), model_name))
-        return load_shipped_drafter(found, loaded.model, steps), \
+        return load_shipped_drafter(found, loaded.model, steps, weights), \
             f"shipped {found.kind} {found.name}"
     if (path / SHIPPED_MANIFEST).is_file():
         shipped = read_shipped_head(path)
@@ -78,12 +81,14 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int 
         if not shipped.trained_for(backbone_identity(loaded.model)):
             raise ShippedHeadError(f"the draft block in {path} serves {shipped.model_name}, "
                                    "another model than this one; give its --model")
-        return load_shipped_drafter(shipped, loaded.model, steps), str(path)
+        return load_shipped_drafter(shipped, loaded.model, steps, weights), str(path)
     try:
         if (path / RECORD_FILE).is_file() and read_record(path)["config"].get("draft_block"):
-            return BlockDrafter(load_trained_block(path, loaded.model), steps), str(path)
+            return BlockDrafter(load_trained_block(path, loaded.model), steps,
+                                weights=weights), str(path)
         if (path / BLOCK_FILES[0]).is_file():  # a save_draft_block directory
-            return BlockDrafter(load_draft_block(path, loaded.model), steps), str(path)
+            return BlockDrafter(load_draft_block(path, loaded.model), steps,
+                                weights=weights), str(path)
     except DraftBlockError as error:
         raise DemoError(f"--head {head}: {error}") from None
     return None
@@ -138,13 +143,16 @@ def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compi
 def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                  lookup: tuple[float, ...] = (), packed: bool = False,
                  walk: float = 0.0, model_name: str = "MODEL", draft_steps: int | None = None,
-                 batch_depth: Any = None) -> tuple[Any, str]:
+                 batch_depth: BatchDepth | None = None,
+                 draft_weights: DraftWeights = DraftWeights.AUTO) -> tuple[Any, str]:
     """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
     of the context into the drafts with ``lookup``'s weights, and under a constraint its walk
     with weight ``walk``; a speculative decoder on a CPU with ``packed``: the model's linear
     weights packed for its verify blocks; a recursive draft block drafting ``draft_steps`` a
     round, ``None``: its own depth, and in a batch as ``batch_depth`` says, a
-    :class:`~circuits_llm.draft_block.BatchDepth`), and a description of it."""
+    :class:`~circuits_llm.draft_block.BatchDepth`; a draft block's projections held as
+    ``draft_weights`` says, :class:`~circuits_llm.draft_block.DraftWeights`), and a description
+    of it."""
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     if head.lower() in AUTOREGRESSIVE_NAMES:
@@ -152,14 +160,20 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
             raise DemoError("--lookup mixes a copy of the context into a head's drafts: choose a "
                             "--head other than ar, or leave --lookup out")
         return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
-    found = block_drafter(head, loaded, model_name, draft_steps)
+    found = block_drafter(head, loaded, model_name, draft_steps, draft_weights)
     drafter: Any
     if found is None and draft_steps is not None:
         raise DemoError(f"--draft-steps sets a recursive draft block's depth; --head {head} is "
                         f"not a draft block: give --head block (or a block's directory), or "
                         f"leave --draft-steps out")
+    if found is None and draft_weights is not DraftWeights.AUTO:
+        raise DemoError(f"--draft-weights sets how a draft block's projections are held; --head "
+                        f"{head} is not a draft block: give --head block (or a block's "
+                        f"directory), or leave --draft-weights out")
     if found is not None:  # a draft block: its drafter takes the head's place
         drafter, where = found
+        if drafter.weights is DraftWeights.INT8:
+            where += "; projections in int8"
         if batch_depth is not None and hasattr(drafter, "batch_depth"):  # a recursive block
             drafter.batch_depth = batch_depth
             where += f"; in a batch {batch_depth.describe()}"

@@ -37,6 +37,7 @@ from circuits_llm.draft_block import (
     BlockDrafter,
     DraftBlock,
     DraftBlockError,
+    DraftWeights,
     load_draft_block,
     save_draft_block,
 )
@@ -282,12 +283,15 @@ def ship_run(run_dir: Path, out: Path, model_name: str, *, circuit_head: Path | 
 
 # ---------------------------------------------------------------------------- reading
 def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
-                         steps: int | None = None) -> ShippedDrafter:
+                         steps: int | None = None,
+                         weights: DraftWeights = DraftWeights.AUTO) -> ShippedDrafter:
     """The drafter of a shipped ``block`` or ``block_head`` directory, on ``model`` (the model
     it was trained for; its device), every file verified first.
 
     A recursive block drafts ``steps`` per round (``None``: the manifest's ``draft_steps``, the
-    depth measured fastest when it was shipped, else the block's trained depth).
+    depth measured fastest when it was shipped, else the block's trained depth). The drafter
+    holds the block's projections as ``weights`` says
+    (:class:`~circuits_llm.draft_block.weights.DraftWeights`).
 
     Raises:
         ShippedHeadError: a directory that ships no block, damaged files (reinstall), or
@@ -306,16 +310,16 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
     if shipped.layout is ShippedLayout.BLOCK:
         try:
             return BlockDrafter(block, shipped.manifest.get("draft_steps") if steps is None
-                                else steps)
+                                else steps, weights=weights)
         except DraftBlockError as error:
             raise ShippedHeadError(str(error)) from None
     if steps is not None:
         raise ShippedHeadError(f"steps sets a recursive block's depth; the shipped {shipped.name} "
                                f"is a circuit head on a block, which drafts its window of "
                                f"{shipped.manifest['head']['window']} in one pass: leave it out")
-    head = shipped.load(block.fuse.weight.device)
+    head = shipped.load(block.device)
     try:
-        return BlockCircuitDrafter(block, head)
+        return BlockCircuitDrafter(block, head, weights=weights)
     except DraftBlockError as error:
         raise ShippedHeadError(f"the shipped {shipped.name}'s head cannot read its block "
                                f"({error}); reinstall circuits-llm") from None
@@ -352,7 +356,8 @@ def no_drafter_message(kind: str, model: str, root: Path | None = None) -> str:
 
 
 def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
-                    root: Path | None = None, steps: int | None = None) -> ShippedDrafter:
+                    root: Path | None = None, steps: int | None = None,
+                    weights: DraftWeights = DraftWeights.AUTO) -> ShippedDrafter:
     """The package's shipped draft block of ``kind`` for ``model``, as the drafter
     :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder` takes in place of a head::
 
@@ -371,6 +376,8 @@ def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
         root: the shipped-heads directory (default: the package's).
         steps: ``block`` only: recursive drafts per round (default: what the block shipped with,
             :func:`load_shipped_drafter`).
+        weights: how the drafter holds the block's projections
+            (:class:`~circuits_llm.draft_block.weights.DraftWeights`; default: int8 on a CPU).
 
     Raises:
         NoHeadError: no such block ships for this model (the message says how to train one).
@@ -387,4 +394,4 @@ def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
     if found is None:
         name = model.source if isinstance(model, LoadedModel) else "MODEL"
         raise NoHeadError(no_drafter_message(kind, name, root))
-    return load_shipped_drafter(found, _hf_model(model), steps)
+    return load_shipped_drafter(found, _hf_model(model), steps, weights)

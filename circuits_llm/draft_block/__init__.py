@@ -15,8 +15,10 @@ one sequence, kept in step with the verifier's, which both drafters share);
 :mod:`~circuits_llm.draft_block.batch_depth` (:class:`BatchDepth`: the recursion's depth in a
 batch); :mod:`~circuits_llm.draft_block.step` (:class:`BlockStep`: the block's decode step over a
 preallocated KV cache of one sequence, eager or compiled, which the drafters run);
-:mod:`~circuits_llm.draft_block.io` (:func:`save_draft_block` / :func:`load_draft_block`: the
-block's own weights and a checked config, refused for another model). ``train-head --draft-block``
+:mod:`~circuits_llm.draft_block.weights` (:class:`DraftWeights`: the block's projections held as
+trained or in int8 while drafting); :mod:`~circuits_llm.draft_block.io`
+(:func:`save_draft_block` / :func:`load_draft_block`: the block's own weights and a checked
+config, refused for another model). ``train-head --draft-block``
 (:mod:`circuits_llm.training.block_trainer`) trains one in the head-training loop.
 """
 
@@ -27,8 +29,9 @@ from circuits_llm.draft_block.drafter import BlockDrafter, BlockRoundProgram
 from circuits_llm.draft_block.follower import BlockCacheFollower
 from circuits_llm.draft_block.io import DraftBlockFileError, load_draft_block, save_draft_block
 from circuits_llm.draft_block.step import BlockKVCache, BlockStep, BlockStepMode
+from circuits_llm.draft_block.weights import DraftWeights
 
 __all__ = ["BatchDepth", "BlockCacheFollower", "BlockCircuitDrafter", "BlockCircuitRoundProgram",
            "BlockDrafter", "BlockInit", "BlockKVCache", "BlockRoundProgram", "BlockStep",
-           "BlockStepMode", "DraftBlock", "DraftBlockError", "DraftBlockFileError",
+           "BlockStepMode", "DraftBlock", "DraftBlockError", "DraftBlockFileError", "DraftWeights",
            "load_draft_block", "save_draft_block"]

@@ -388,7 +388,7 @@ class PaddedBlockRows:
         counts = [t.numel() for t in tokens]
         pasts = [row.cache.get_seq_length() for row in rows]
         width, past = max(counts), max(pasts)
-        device, dtype = features[0].device, block.fuse.weight.dtype
+        device, dtype = features[0].device, block.dtype
         hidden = torch.zeros(batch, width, features[0].shape[-1], dtype=dtype, device=device)
         ids = torch.zeros(batch, width, dtype=torch.long, device=device)
         for b, (feature, token) in enumerate(zip(features, tokens, strict=True)):

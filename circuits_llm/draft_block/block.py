@@ -194,6 +194,17 @@ class DraftBlock(nn.Module):
                         projection.bias.zero_()
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the block's float weights and outputs (read from a norm, which stays float
+        when the projections are held in int8: :mod:`~circuits_llm.draft_block.weights`)."""
+        return self.norm_hidden.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the block's weights live."""
+        return self.norm_hidden.weight.device
+
+    @property
     def draft_size(self) -> int:
         """``K``: the size of the draft vocabulary (``V`` without compression)."""
         return self.vocab_size if self.draft_tokens is None else int(self.draft_tokens.numel())
@@ -269,8 +280,12 @@ class DraftBlock(nn.Module):
 
     def logits(self, output: Tensor) -> Tensor:
         """(..., d) block outputs -> (..., K) logits over the draft vocabulary: the target's final
-        norm, then the rows of its LM head for the draft tokens."""
+        norm, then the rows of its LM head for the draft tokens (or, in a drafter's int8 copy,
+        its :attr:`readout_override`)."""
         normed = output if self.target.final_norm is None else self.target.final_norm(output)
+        override = self.__dict__.get("readout_override")
+        if override is not None:
+            return override(normed)
         weight, bias = self.readout()
         return nn.functional.linear(normed.to(weight.dtype), weight, bias)
 

@@ -48,6 +48,7 @@ from circuits_llm.decoding.warping import DecoderError, SamplingConfig
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
 from circuits_llm.draft_block.follower import BlockCacheFollower
 from circuits_llm.draft_block.step import BlockStepMode
+from circuits_llm.draft_block.weights import DraftWeights
 from circuits_llm.protocols import draft_head_problem
 from circuits_llm.runtime.compiling import Compiler
 
@@ -80,7 +81,7 @@ def check_block_head(block: DraftBlock, head: object) -> None:
     if any(k != size for k in circuit.category_sizes):
         raise DraftBlockError(f"every circuit variable must have {size} categories (the head's "
                               f"draft vocabulary), got {list(circuit.category_sizes)}")
-    device = block.fuse.weight.device
+    device = block.device
     if circuit.device != device:
         raise DraftBlockError(f"the head's circuit is on {circuit.device} but the block on "
                               f"{device}: move both to one device")
@@ -99,6 +100,9 @@ class BlockCircuitDrafter(BlockCacheFollower):
             vocabulary, on the block's device.
         step_mode: when the block's calls run compiled
             (:class:`~circuits_llm.draft_block.follower.BlockCacheFollower`).
+        weights: how the block's projections are held
+            (:class:`~circuits_llm.draft_block.follower.BlockCacheFollower`; default: int8 on a
+            CPU).
 
     Attributes:
         head: the circuit head.
@@ -111,8 +115,9 @@ class BlockCircuitDrafter(BlockCacheFollower):
     """
 
     def __init__(self, block: DraftBlock, head: object, *,
-                 step_mode: BlockStepMode = BlockStepMode.AUTO) -> None:
-        super().__init__(block, step_mode)
+                 step_mode: BlockStepMode = BlockStepMode.AUTO,
+                 weights: DraftWeights = DraftWeights.AUTO) -> None:
+        super().__init__(block, step_mode, weights)
         check_block_head(block, head)
         self.head = head
         self.window: int = head.window  # type: ignore[attr-defined]

@@ -55,6 +55,7 @@ from circuits_llm.draft_block.batch_depth import BatchDepth
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
 from circuits_llm.draft_block.follower import BlockCacheFollower
 from circuits_llm.draft_block.step import BlockStepMode
+from circuits_llm.draft_block.weights import DraftWeights
 from circuits_llm.runtime.compiling import Compiler
 
 __all__ = ["BlockDrafter", "BlockRoundProgram", "draft_law", "draw_step"]
@@ -125,6 +126,8 @@ class BlockDrafter(BlockCacheFollower):
             the trained depths each further draft is accepted less often, and a longer window pays
             where the text repeats (greedy decoding of code, with the context copy).
         step_mode: when the block's calls run compiled (:class:`BlockCacheFollower`).
+        weights: how the block's projections are held (:class:`BlockCacheFollower`; default: int8
+            on a CPU).
         batch_depth: in a batch of prompts, the recursion's depth by the number of rows drafting
             (:class:`~circuits_llm.draft_block.batch_depth.BatchDepth`; ``None``: ``k`` always).
             One prompt alone always drafts ``k``.
@@ -139,8 +142,9 @@ class BlockDrafter(BlockCacheFollower):
 
     def __init__(self, block: DraftBlock, steps: int | None = None, *,
                  step_mode: BlockStepMode = BlockStepMode.AUTO,
+                 weights: DraftWeights = DraftWeights.AUTO,
                  batch_depth: BatchDepth | None = None) -> None:
-        super().__init__(block, step_mode)
+        super().__init__(block, step_mode, weights)
         if batch_depth is not None and not isinstance(batch_depth, BatchDepth):
             raise DraftBlockError(f"batch_depth must be a BatchDepth or None, got "
                                   f"{batch_depth!r}")

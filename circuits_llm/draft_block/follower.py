@@ -17,6 +17,7 @@ from torch import Tensor
 
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError, check_pairs
 from circuits_llm.draft_block.step import BlockKVCache, BlockStep, BlockStepMode
+from circuits_llm.draft_block.weights import DraftWeights, drafting_block
 from circuits_llm.runtime.compiling import Compiler
 
 __all__ = ["BlockCacheFollower"]
@@ -38,25 +39,33 @@ class BlockCacheFollower:
         step_mode: when the block's calls run compiled
             (:class:`~circuits_llm.draft_block.step.BlockStepMode`; default: with compiled round
             programs on a GPU).
+        weights: how the block's projections are held
+            (:class:`~circuits_llm.draft_block.weights.DraftWeights`; default: int8 where the
+            packed kernel runs, a CPU, else as trained).
 
     Attributes:
-        block: the draft block (weights).
+        block: the draft block the drafter runs: the one given, or its int8 copy
+            (:func:`~circuits_llm.draft_block.weights.drafting_block`).
         step: the block's decode step (shared by shallow copies, as the weights are).
         cache: the block's KV cache.
         length: positions of the cache holding verified pairs (speculative ones come after).
     """
 
-    def __init__(self, block: DraftBlock, step_mode: BlockStepMode = BlockStepMode.AUTO) -> None:
+    def __init__(self, block: DraftBlock, step_mode: BlockStepMode = BlockStepMode.AUTO,
+                 weights: DraftWeights = DraftWeights.AUTO) -> None:
         if not isinstance(block, DraftBlock):
             raise DraftBlockError(f"a {type(self).__name__} drafts with a DraftBlock, got "
                                   f"{type(block).__name__}")
         if not isinstance(step_mode, BlockStepMode):
             raise DraftBlockError(f"step_mode must be a BlockStepMode, got {step_mode!r}")
-        self.block = block
+        if not isinstance(weights, DraftWeights):
+            raise DraftBlockError(f"weights must be a DraftWeights, got {weights!r}")
+        self.weights = weights.resolve(block)  # AS_TRAINED or INT8
+        self.block = drafting_block(block, self.weights)
         self.step_mode = step_mode
         self.vocab_size: int = block.vocab_size
         self.hidden_size: int = block.hidden_size
-        self.step = BlockStep(block)
+        self.step = BlockStep(self.block)
         self.cache: BlockKVCache = self.step.new_cache()
         self.length = 0
         self._pending: tuple[Tensor, Tensor] | None = None
@@ -64,7 +73,7 @@ class BlockCacheFollower:
     @property
     def device(self) -> torch.device:
         """Where the block's weights (and its drafts) live."""
-        return self.block.fuse.weight.device
+        return self.block.device
 
     # ------------------------------------------------------------------ the cache
     def _check(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:

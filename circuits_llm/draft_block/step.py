@@ -102,7 +102,7 @@ class BlockKVCache:
         config = block.config
         self.kv_heads: int = config.num_key_value_heads
         self.head_size: int = block.layers[0].self_attn.head_dim
-        self.dtype, self.device = block.fuse.weight.dtype, block.fuse.weight.device
+        self.dtype, self.device = block.dtype, block.device
         self._block_rotary = block.rotary
         self._layers = len(block.layers)
         self.length = 0
@@ -199,7 +199,7 @@ class BlockStep:
         if self._compiled is None:
             self._compiled = CompiledProgram(
                 self._fixed_call, name="draft block step",
-                device=self.block.fuse.weight.device, compiler=compiler,
+                device=self.block.device, compiler=compiler,
                 target=private_copy(self._fixed_call),
                 variant=lambda hidden, *rest: f"{hidden.shape[1]} rows, capacity "
                                               f"{rest[2][0].shape[2]}")

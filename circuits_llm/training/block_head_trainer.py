@@ -110,7 +110,7 @@ def block_outputs(block: DraftBlock, hidden: Tensor, tokens: Tensor) -> Tensor:
         (B, L, d) float32: ``o_t`` (the block's causal pass over ``(h_t, x_{t+1})``) at ``t =
         0..L-2`` and a zero row at ``L - 1``.
     """
-    dtype = block.fuse.weight.dtype
+    dtype = block.dtype
     output = next(depth_outputs(block, hidden[:, :-1].to(dtype), tokens[:, 1:], 1))
     return torch.cat([output.float(), output.new_zeros(output.shape[0], 1, output.shape[2],
                                                        dtype=torch.float32)], 1)

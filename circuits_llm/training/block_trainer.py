@@ -135,7 +135,7 @@ class BlockDraftModel(nn.Module):
             hidden = features
             if self.teacher is not None:
                 logits = self.teacher.from_features(features).logits
-        return hidden.to(self.block.fuse.weight.dtype), logits
+        return hidden.to(self.block.dtype), logits
 
     def forward(self, tokens: Tensor, mask: Tensor | None,
                 features: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
