@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
-from circuits_llm.runtime.int8_linear import PACKED_WIDTH_MULTIPLE, Int8Linear
+from circuits_llm.runtime.int8_linear import Int8Linear, packed_kernel_runs
 
 __all__ = ["EXACT_TOP", "DraftWeights", "Int8Readout", "drafting_block", "int8_block"]
 
@@ -34,13 +34,14 @@ EXACT_TOP = 16
 
 
 class DraftWeights(Enum):
-    """How a drafter holds the block's projections.
+    """How a drafter holds the block's projections and LM-head rows.
 
     ``AUTO`` (the default): ``INT8`` where the packed int8 kernel runs (a CPU block of float32 or
-    bfloat16 weights whose width is a multiple of 16), else ``AS_TRAINED``. A float64 block stays
-    as trained: float64 exists to check exactness to 1e-10. ``AS_TRAINED``: the block's own
-    weights. ``INT8``: int8 codes with a scale per output row, on any device (off a CPU the
-    product runs on the dequantised weight, which saves memory, not time).
+    bfloat16 weights whose projections' input widths are multiples of 16), else ``AS_TRAINED``.
+    A float64 block stays as trained: float64 exists to check exactness to 1e-10.
+    ``AS_TRAINED``: the block's own weights. ``INT8``: int8 codes with a scale per output row, on
+    any device (off a CPU the product runs on the dequantised weight, which saves memory, not
+    time).
     """
 
     AUTO = "auto"
@@ -52,10 +53,11 @@ class DraftWeights(Enum):
         are."""
         if self is not DraftWeights.AUTO:
             return self
-        packed = (block.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
-                  and block.dtype in (torch.float32, torch.bfloat16)
-                  and block.hidden_size % PACKED_WIDTH_MULTIPLE == 0
-                  and block.config.intermediate_size % PACKED_WIDTH_MULTIPLE == 0)
+        attention = block.layers[0].self_attn
+        widths = {block.hidden_size, block.config.intermediate_size,  # every projection's input
+                  block.config.num_attention_heads * attention.head_dim}
+        packed = block.dtype in (torch.float32, torch.bfloat16) and all(
+            packed_kernel_runs(width, block.device) for width in widths)
         return DraftWeights.INT8 if packed else DraftWeights.AS_TRAINED
 
 

@@ -23,10 +23,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PACKED_WIDTH_MULTIPLE", "Int8Linear", "int8_rows"]
+__all__ = ["PACKED_WIDTH_MULTIPLE", "Int8Linear", "int8_rows", "packed_kernel_runs"]
 
 #: the packed CPU kernel is used only for input widths that are multiples of this
 PACKED_WIDTH_MULTIPLE = 16
+
+
+def packed_kernel_runs(width: int, device: torch.device) -> bool:
+    """Whether an :class:`Int8Linear` of input width ``width`` on ``device`` runs torch's packed
+    kernel (a CPU, a width that is a multiple of 16, a torch that has the kernel), rather than the
+    dequantised product."""
+    return (device.type == "cpu" and width % PACKED_WIDTH_MULTIPLE == 0
+            and hasattr(torch, "_weight_int8pack_mm"))
 
 
 def int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -89,9 +97,7 @@ class Int8Linear(nn.Module):
     def uses_packed_kernel(self, x: Tensor) -> bool:
         """Whether a call on ``x`` runs torch's packed CPU kernel (else the dequantised
         product)."""
-        return (x.device.type == "cpu" and self.codes.device.type == "cpu"
-                and self.in_features % PACKED_WIDTH_MULTIPLE == 0
-                and hasattr(torch, "_weight_int8pack_mm"))
+        return self.codes.device == x.device and packed_kernel_runs(self.in_features, x.device)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x`` (..., K) float -> (..., N) in ``x``'s dtype."""
