@@ -108,14 +108,18 @@ def int8_block(block: DraftBlock) -> DraftBlock:
         raise DraftBlockError(f"int8_block quantises a DraftBlock, got {type(block).__name__}")
     if not any(isinstance(module, nn.Linear) for module in block.modules()):
         return block  # already held in int8
-    clone = copy.deepcopy(block, {id(block.target): block.target})
-    clone.__dict__.pop("_readout", None)  # gathered again from the shared LM head
+    weight, bias = block.readout()  # the trained rows, gathered once and kept by the block
+    shared = {id(block.target): block.target}  # deepcopy's memo: these are not copied
+    kept = block.__dict__.get("_readout")
+    if kept is not None:
+        shared[id(kept)] = kept
+    clone = copy.deepcopy(block, shared)
+    clone.__dict__.pop("_readout", None)  # the copy reads out through its Int8Readout
     for module in list(clone.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int8Linear.from_linear(child))
     clone.requires_grad_(False)
-    weight, bias = block.readout()
     clone.__dict__["readout_override"] = Int8Readout(weight, bias)  # not a submodule: never saved
     return clone
 
