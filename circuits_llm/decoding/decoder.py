@@ -65,9 +65,10 @@ from circuits_llm.decoding.constrained import (
     ProductDrafter,
 )
 from circuits_llm.decoding.constraint_path import ConstraintPath, ConstraintSteps, round_component
+from circuits_llm.decoding.draft_depth import AdaptiveDepth, DepthTracker, observed_acceptance
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.inputs import check_draft_tokens, head_parameters
-from circuits_llm.decoding.lookup import ContextLookup, LookupIndex
+from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, unpack
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats
 from circuits_llm.decoding.respelling import DraftRespeller
 from circuits_llm.decoding.round import RoundProgram
@@ -143,6 +144,13 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             before the verify (:mod:`~circuits_llm.decoding.respelling`: the product often drafts
             a split spelling, ``"`` then ``:``, where the model writes ``":``). Greedy output is
             the argmax chain whatever is drafted; sampling rounds never respell. Default True.
+        draft_depth: choose each round's depth, ``0..n-1`` drafts, before the round from how
+            earlier rounds' drafts were accepted and what a round costs
+            (:class:`~circuits_llm.decoding.draft_depth.AdaptiveDepth`; ``0``: a plain step). A
+            drafter that drafts step by step (a recursive draft block) draws only that many; a
+            circuit head still drafts its window and verifies at most that many. Combines with
+            ``draft_length`` (the smaller ``L`` wins) and keeps the law exact (that module).
+            ``None`` (default): the rule's ``L``.
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead | ContextDrafter, *,
@@ -150,7 +158,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                  policy: CorrectionPolicy = CorrectionPolicy.EXACT, compile: bool = False,
                  draft_length: DraftLength | None = None,
                  constrained_drafting: ConstrainedDrafting = ConstrainedDrafting.PRODUCT,
-                 lookup: ContextLookup | None = None, respell_greedy_drafts: bool = True) -> None:
+                 lookup: ContextLookup | None = None, respell_greedy_drafts: bool = True,
+                 draft_depth: AdaptiveDepth | None = None) -> None:
         rule = DraftLength.fixed() if draft_length is None else draft_length
         if not isinstance(rule, DraftLength):
             raise DecoderError(f"draft_length must be a circuits_llm.decoding.draft_length."
@@ -160,6 +169,11 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if isinstance(window, int) and not isinstance(window, bool) and window >= 2:
             rule.check(window)
             blocks = tuple(length + 1 for length in rule.lengths(window))
+            if draft_depth is not None:  # any depth 0..n-1 may be chosen
+                blocks = tuple(range(1, window + 1))
+        if draft_depth is not None and not isinstance(draft_depth, AdaptiveDepth):
+            raise DecoderError(f"draft_depth must be None or a circuits_llm.decoding.draft_depth."
+                               f"AdaptiveDepth, got {draft_depth!r}")
         self.backbone = as_backbone(backbone, lora_layers, compile, blocks)
         problem = draft_head_problem(head)
         #: the drafter with state of its own, when ``head`` is one (else None: a circuit head)
@@ -218,6 +232,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         self._compiler: Compiler | None = current_compiler() if compile else None
         self.lookahead = head.window - 1
         self._programs: dict[SamplingConfig, RoundProgram] = {}
+        self.draft_depth = draft_depth
+        #: this decode's acceptance estimates and depths (during generate, with a draft_depth)
+        self.depths: DepthTracker | None = None
 
     @staticmethod
     def _check_circuit(head: DraftHead) -> None:
@@ -270,7 +287,10 @@ class SpeculativeDecoder(AutoregressiveDecoder):
     def _decode(self, prompt: list[int], stop: StopCondition, config: SamplingConfig,
                 generator: torch.Generator | None,
                 tracker: ConstraintTracker | None = None) -> DecodeResult:
-        """The decode loop, with the output indexed for the copy component when ``lookup``."""
+        """The decode loop, with the output indexed for the copy component when ``lookup`` and a
+        fresh depth tracker with a ``draft_depth`` (kept in :attr:`depths` after the decode)."""
+        if self.draft_depth is not None:
+            self.depths = self.draft_depth.start(self.lookahead)
         if self.lookup is None:
             return super()._decode(prompt, stop, config, generator, tracker)
         self._index = LookupIndex(self.lookup.max_ngram, prompt)
@@ -336,6 +356,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         uniforms = None if config.greedy else program.draw_uniforms(generator)
         product = tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT
         first = torch.tensor([c], device=clock)
+        component = self._component(program, tracker if product else None)
+        copying = component is not None and int(unpack(component)[1]) > 0
+        depth = None if self.depths is None else self.depths.choose(copying)
         if product and isinstance(program, RoundProgram):
             assert tracker is not None
             seed = program.head_hidden(hidden, first)  # a block's output: its one call a round
@@ -347,17 +370,24 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             drafter = self._drafter(tracker, program.head)  # type: ignore[arg-type]
             draft, seconds = drafter.draft(
                 params, c, tracker.state, None if draws is None else draws[:-1], self.draft_length,
-                self._component(program, tracker), None if draws is None else float(draws[-1]))
+                component, None if draws is None else float(draws[-1]))
             tracker.pending += seconds
             size = drafter.last_size
             length = int(draft.length)  # type: ignore[arg-type]
         elif product and callable(getattr(program, "constrained_draft", None)):
             draft = program.constrained_draft(  # type: ignore[attr-defined]
-                hidden, first, uniforms, tracker, self._component(program, tracker))
+                hidden, first, uniforms, tracker, component)
             length = int(draft.length)  # type: ignore[arg-type]
+        elif depth is not None and getattr(program, "draws_by_depth", False):
+            draft = program.draft(hidden, first, uniforms, component,  # type: ignore[call-arg]
+                                  depth=max(depth, 1))  # depth 0 still probes one draft
+            length = program.verified(draft)
         else:
-            draft = program.draft(hidden, first, uniforms, self._component(program))
+            draft = program.draft(hidden, first, uniforms, component)
             length = program.verified(draft)  # L: verify [c, d_1..d_L]
+        if depth is not None and length > depth:
+            length = depth
+            draft = replace(draft, length=torch.tensor(depth, device=draft.tokens.device))
         if product and config.greedy and self.respell_greedy_drafts \
                 and tracker.tokenizer is not None:  # type: ignore[union-attr]
             draft, length = self._respelled(draft, length, tracker)  # type: ignore[arg-type]
@@ -373,6 +403,10 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             logits = tracker.masked(logits, block[0, 1:].tolist())
         outcome = program.outcome(program.accept(logits[:length + 1], draft, uniforms))
         self._explain_failure(outcome, program, hidden, c, step, config)
+        if self.depths is not None and outcome.possible:
+            self.depths.observe(copying, observed_acceptance(
+                logits, config, draft.tokens, draft.q, program.draft_tokens, length,
+                outcome.accepted))
         move = transition(self.policy, outcome.draft, outcome.accepted, outcome.token)
         if forced and outcome.accepted == length:
             move = self._through_forced(move, forced, logits[length + len(forced)], config,

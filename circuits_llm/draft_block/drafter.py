@@ -204,6 +204,10 @@ class BlockRoundProgram(AcceptProgram):
             vocabulary or forbidden by the automaton (a function of the history: exact).
     """
 
+    #: :meth:`draft` takes a ``depth`` and draws only that many drafts (the decoder's
+    #: :class:`~circuits_llm.decoding.draft_depth.AdaptiveDepth` asks for it)
+    draws_by_depth = True
+
     def __init__(self, drafter: BlockDrafter, config: SamplingConfig, *, compile: bool = False,
                  compiler: Compiler | None = None, draft_length: DraftLength | None = None,
                  lookup: ContextLookup | None = None) -> None:
