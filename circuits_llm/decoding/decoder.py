@@ -357,7 +357,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         product = tracker is not None and self.constrained_drafting is ConstrainedDrafting.PRODUCT
         first = torch.tensor([c], device=clock)
         component = self._component(program, tracker if product else None)
-        copying = component is not None and int(unpack(component)[1]) > 0
+        copying = self.depths is not None and component is not None \
+            and int(unpack(component)[1]) > 0  # a host read, only for the depth rule
         depth = None if self.depths is None else self.depths.choose(copying)
         if product and isinstance(program, RoundProgram):
             assert tracker is not None
