@@ -24,7 +24,6 @@ way (checked). Printed as tables and saved as JSON::
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from benchmarks.spec_tools import decode_prompts
 from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.draft_block import BlockDrafter, BlockStepMode, DraftBlock, DraftWeights
 from circuits_llm.runtime.timing import interleaved, machine_info, medians, publish
@@ -138,22 +138,12 @@ def decode_rounds(model_name: str, prompts: int, new_tokens: int, log: Callable[
             drafter = None if way == "autoregressive" else drafter_for(way, block, window - 1)
             decoder = AutoregressiveDecoder(HFBackbone(loaded.model)) if drafter is None else \
                 SpeculativeDecoder(HFBackbone(loaded.model), drafter, compile=True)
-            decoder.generate(texts[0], 8, temperature, generator=torch.Generator().manual_seed(0),
-                             eos_token_id=())  # warm-up (and compilation), not recorded
-            totals = {"draft": 0.0, "verify": 0.0}
-            tokens = rounds = 0
-            start = time.perf_counter()
-            outputs[way] = []
-            for index, prompt in enumerate(texts):
-                result = decoder.generate(prompt, new_tokens, temperature,
-                                          generator=torch.Generator().manual_seed(index),
-                                          eos_token_id=())
-                outputs[way].append(result.tokens.tolist())
-                tokens += len(result.tokens)
-                rounds += len(result.rounds)
-                totals["draft"] += sum(r.head_s + r.draft_s for r in result.rounds)
-                totals["verify"] += sum(r.verify_s for r in result.rounds)
-            seconds = time.perf_counter() - start
+            decoded = decode_prompts(decoder, texts, new_tokens, temperature)
+            outputs[way] = decoded.outputs
+            tokens, rounds, seconds = decoded.tokens, decoded.rounds, decoded.seconds
+            every = [r for result in decoded.results for r in result.rounds]
+            totals = {"draft": sum(r.head_s + r.draft_s for r in every),
+                      "verify": sum(r.verify_s for r in every)}
             rows[f"{mode}, {way}"] = {
                 "tokens_per_second": tokens / seconds, "tokens_per_round": tokens / rounds,
                 "draft_ms_per_round": 1000 * totals["draft"] / rounds,

@@ -19,12 +19,12 @@ three. Results are printed and written as JSON (default
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.spec_tools import decode_prompts
 from circuits_llm.runtime.timing import machine_info, publish
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,23 +69,16 @@ def run(prompt_set: str, count: int, new_tokens: int, fixed: int, most: int,
         outputs: dict[str, list[list[int]]] = {}
         for name, make in makers.items():
             decoder = make()
-            decoder.generate(texts[0], 8, temperature, generator=torch.Generator().manual_seed(0),
-                             eos_token_id=())  # warm-up and compilation
-            tokens = rounds = 0
             depths: list[int] = []
-            outputs[name] = []
-            start = time.perf_counter()
-            for index, prompt in enumerate(texts):
-                result = decoder.generate(prompt, new_tokens, temperature,
-                                          generator=torch.Generator().manual_seed(index),
-                                          eos_token_id=())
-                outputs[name].append(result.tokens.tolist())
-                tokens += len(result.tokens)
-                rounds += len(result.rounds)
-                tracker = getattr(decoder, "depths", None)
+
+            def read_depths(_: object, decoder: Any = decoder, depths: list[int] = depths) -> None:
+                tracker = getattr(decoder, "depths", None)  # the adaptive decoder's, per decode
                 if tracker is not None:
-                    depths += tracker.depths
-            seconds = time.perf_counter() - start
+                    depths.extend(tracker.depths)
+
+            decoded = decode_prompts(decoder, texts, new_tokens, temperature, read_depths)
+            outputs[name] = decoded.outputs
+            tokens, rounds, seconds = decoded.tokens, decoded.rounds, decoded.seconds
             row = {"tokens_per_second": tokens / seconds, "tokens_per_round": tokens / rounds}
             if depths:
                 row["rounds_by_depth"] = {str(d): depths.count(d) for d in sorted(set(depths))}

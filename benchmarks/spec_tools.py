@@ -1,15 +1,23 @@
-"""Benchmark-only tools for speculative decoding, used by :mod:`benchmarks.decoder_bench`.
+"""Benchmark-only tools for speculative decoding.
 
 * :class:`ForcedAcceptance`: a backbone wrapper whose verifier accepts every draft, for the
-  accept-all throughput bound (the MTPC paper's ``max_tok/s``).
+  accept-all throughput bound (the MTPC paper's ``max_tok/s``; :mod:`benchmarks.decoder_bench`).
+* :func:`decode_prompts`: a warm-up, then every prompt decoded once with its own seed, timed as
+  one loop (:mod:`benchmarks.block_step_bench`, :mod:`benchmarks.draft_depth_bench`).
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from circuits_llm.backbone import HFBackbone
+from circuits_llm.decoding.metrics import DecodeResult
 from circuits_llm.protocols import BackboneStep
 
 
@@ -51,3 +59,42 @@ class ForcedAcceptance:
         forced.scatter_(-1, tokens[:, 1:, None].to(logits.device), 0.0)
         logits[:, :-1] = forced
         return BackboneStep(logits, step.draft_hidden)
+
+
+@dataclass
+class DecodedPrompts:
+    """What :func:`decode_prompts` measured: each prompt's result and the loop's wall seconds."""
+
+    results: list[DecodeResult]
+    seconds: float
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        """Each prompt's tokens (what greedy decoders must agree on)."""
+        return [result.tokens.tolist() for result in self.results]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(result.tokens) for result in self.results)
+
+    @property
+    def rounds(self) -> int:
+        return sum(len(result.rounds) for result in self.results)
+
+
+def decode_prompts(decoder: Any, prompts: Sequence[Tensor], new_tokens: int, temperature: float,
+                   after: Callable[[DecodeResult], None] | None = None) -> DecodedPrompts:
+    """One warm-up decode of 8 tokens (compilation included, not timed), then every prompt
+    decoded to ``new_tokens`` with the generator seeded by its index and no EOS, timed as one
+    loop; ``after`` sees each result as it comes (e.g. to read the decoder's state)."""
+    decoder.generate(prompts[0], 8, temperature, generator=torch.Generator().manual_seed(0),
+                     eos_token_id=())
+    results = []
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        result = decoder.generate(prompt, new_tokens, temperature,
+                                  generator=torch.Generator().manual_seed(index), eos_token_id=())
+        if after is not None:
+            after(result)
+        results.append(result)
+    return DecodedPrompts(results, time.perf_counter() - start)

@@ -18,7 +18,7 @@ from test_constrained_decoding import CONFIGS, RANKS, TOKENIZER, aot_eager, head
 from toy import law_p_value, total_variation
 from toy_constrained import constrained_decoder_law, constrained_target_law
 
-import circuits_llm.decoding.decoder as decoder_module
+import circuits_llm.decoding.constrained as constrained_module
 from circuits_llm.constraints import Regex, TokenAutomaton
 from circuits_llm.decoding.constrained import ConstrainedDrafting
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
@@ -107,7 +107,7 @@ def test_sampling_with_forced_runs_matches_the_law_and_a_biased_tail_is_rejected
 
     def hot(row: torch.Tensor, cfg: SamplingConfig, name: str = "") -> torch.Tensor:
         return target_probs(row, SamplingConfig(3.0), name)
-    monkeypatch.setattr(decoder_module, "target_probs", hot)
+    monkeypatch.setattr(constrained_module, "target_probs", hot)  # the draw after a forced run
     biased, _ = _samples(decoder, [2, 2], 6, config, seed=3, count=1500)
     assert law_p_value(*pooled(biased, law)) < 1e-6
 

@@ -42,14 +42,16 @@ from circuits_llm.decoding.metrics import (
     summarize,
 )
 from circuits_llm.decoding.stopping import StopCondition, eos_ids
-from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
+from circuits_llm.decoding.warping import (
+    VERIFIER_LOGITS,
+    DecoderError,
+    SamplingConfig,
+    sample_token,
+    target_probs,
+)
 from circuits_llm.protocols import Backbone, BackboneStep
 
 __all__ = ["VERIFIER_LOGITS", "AutoregressiveDecoder", "now"]
-
-
-#: how invalid verifier logits are named in errors
-VERIFIER_LOGITS = "the backbone's verifier logits"
 
 
 def now(device: torch.device) -> float:

@@ -52,12 +52,20 @@ from torch import Tensor
 from circuits.automata import Automaton
 from circuits.compiled.automaton_product import AutomatonProduct, pick_category
 from circuits_llm.constraints import ConstraintError, JsonSchema, Regex, TokenAutomaton
+from circuits_llm.decoding.acceptance import Transition
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import SequentialCopy, outside_entry, unpack
 from circuits_llm.decoding.round_data import DraftResult
-from circuits_llm.decoding.warping import DecoderError
+from circuits_llm.decoding.warping import (
+    VERIFIER_LOGITS,
+    DecoderError,
+    SamplingConfig,
+    sample_token,
+    target_probs,
+)
 
-__all__ = ["ConstrainedDrafting", "ConstraintTracker", "ProductDrafter", "resolve_constraint"]
+__all__ = ["ConstrainedDrafting", "ConstraintTracker", "ProductDrafter", "resolve_constraint",
+           "through_forced"]
 
 
 class ConstrainedDrafting(Enum):
@@ -357,3 +365,15 @@ class ProductDrafter:
         if allowed == 0:
             cut[-1] = 0.0
         return cut, free_outside
+
+
+def through_forced(move: Transition, forced: list[int], row: Tensor, config: SamplingConfig,
+                   generator: torch.Generator | None) -> Transition:
+    """A round whose drafts were all accepted before a run the constraint forces: the bonus was
+    drawn from a point mass at ``forced[0]``; emit the whole forced run, then a token drawn from
+    the masked verifier row ``row`` (V,) after its end."""
+    if move.emitted[-1] != forced[0]:
+        raise DecoderError(f"the constraint forces token {forced[0]} but the verifier drew "
+                           f"{move.emitted[-1]}: the masked row was not a point mass")
+    token = sample_token(target_probs(row, config, VERIFIER_LOGITS), config.greedy, generator)
+    return Transition((*move.emitted, *forced[1:], token), token, move.keep + len(forced))

@@ -63,6 +63,7 @@ from circuits_llm.decoding.constrained import (
     ConstrainedDrafting,
     ConstraintTracker,
     ProductDrafter,
+    through_forced,
 )
 from circuits_llm.decoding.constraint_path import ConstraintPath, ConstraintSteps, round_component
 from circuits_llm.decoding.draft_depth import AdaptiveDepth, DepthTracker, observed_acceptance
@@ -74,7 +75,7 @@ from circuits_llm.decoding.respelling import DraftRespeller
 from circuits_llm.decoding.round import RoundProgram
 from circuits_llm.decoding.round_data import DraftResult, RoundOutcome
 from circuits_llm.decoding.stopping import StopCondition
-from circuits_llm.decoding.warping import DecoderError, SamplingConfig, sample_token, target_probs
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig, target_probs
 from circuits_llm.protocols import (
     Backbone,
     BackboneStep,
@@ -410,8 +411,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                 outcome.accepted))
         move = transition(self.policy, outcome.draft, outcome.accepted, outcome.token)
         if forced and outcome.accepted == length:
-            move = self._through_forced(move, forced, logits[length + len(forced)], config,
-                                        generator)
+            move = through_forced(move, forced, logits[length + len(forced)], config, generator)
         t3 = now(clock)
         # impossible evidence: every draft was rejected and p_1 decided, an AR step in law;
         # otherwise ``drafted`` is L, the drafts this round verified
@@ -425,23 +425,14 @@ class SpeculativeDecoder(AutoregressiveDecoder):
 
     def _respelled(self, draft: DraftResult, length: int, tracker: ConstraintTracker
                    ) -> tuple[DraftResult, int]:
-        """A greedy round's drafts ``d_1..d_L`` replaced by the tokenizer's spelling of their
-        text (:mod:`~circuits_llm.decoding.respelling`), with the new ``L``; the draft as it was
-        when there is none. Counted as constraint work."""
+        """A greedy round's drafts re-encoded in the tokenizer's spelling
+        (:meth:`~circuits_llm.decoding.respelling.DraftRespeller.respell_draft`; the respeller of
+        the last tokenizer seen is kept), with the new ``L``. Counted as constraint work."""
         start = time.perf_counter()
         respeller = self._respeller
         if respeller is None or respeller.tokenizer is not tracker.tokenizer:
             respeller = self._respeller = DraftRespeller(tracker.tokenizer)
-        drafts = draft.block.shape[1] - 1
-        ids = respeller.respell(draft.block[0, 1:length + 1].tolist(), tracker.automaton,
-                                tracker.state, drafts)
-        if ids is not None:
-            block = draft.block.clone()
-            block[0, 1:] = 0
-            block[0, 1:len(ids) + 1] = torch.tensor(ids, dtype=block.dtype)
-            draft = replace(draft, tokens=block[0, 1:], block=block,
-                            length=torch.tensor(len(ids), device=block.device))
-            length = len(ids)
+        draft, length = respeller.respell_draft(draft, length, tracker.automaton, tracker.state)
         tracker.pending += time.perf_counter() - start
         return draft, length
 
@@ -457,17 +448,6 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if capacity is not None:
             limit = min(limit, capacity - self.backbone.length - block.shape[1])
         return tracker.forced_run(block[0, 1:].tolist(), limit) if limit > 0 else []
-
-    @staticmethod
-    def _through_forced(move: Transition, forced: list[int], row: Tensor, config: SamplingConfig,
-                        generator: torch.Generator | None) -> Transition:
-        """Every draft accepted: the bonus was drawn from a point mass at ``forced[0]``; emit the
-        whole forced run, then a token drawn from the masked row ``row`` (V,) after its end."""
-        if move.emitted[-1] != forced[0]:
-            raise DecoderError(f"the constraint forces token {forced[0]} but the verifier drew "
-                               f"{move.emitted[-1]}: the masked row was not a point mass")
-        token = sample_token(target_probs(row, config, VERIFIER_LOGITS), config.greedy, generator)
-        return Transition((*move.emitted, *forced[1:], token), token, move.keep + len(forced))
 
     def _explain_failure(self, outcome: RoundOutcome, program: RoundProgram, hidden: Tensor,
                          c: int, step: BackboneStep, config: SamplingConfig) -> None:

@@ -20,10 +20,14 @@ is a sum over every spelling of its text, which the product does not give.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from circuits_llm.constraints import ConstraintError, TokenAutomaton
 from circuits_llm.constraints.vocabulary import token_bytes
+from circuits_llm.decoding.round_data import DraftResult
 
 __all__ = ["DraftRespeller"]
 
@@ -87,3 +91,18 @@ class DraftRespeller:
         except ConstraintError:
             return None
         return ids
+
+    def respell_draft(self, draft: DraftResult, length: int, automaton: TokenAutomaton,
+                      state: int) -> tuple[DraftResult, int]:
+        """A greedy round's drafts ``d_1..d_L`` (``L = length``) replaced by the tokenizer's
+        spelling of their text from the automaton's ``state`` (:meth:`respell`), with the new
+        ``L``; the draft and ``length`` as they were when there is none."""
+        drafts = draft.block.shape[1] - 1
+        ids = self.respell(draft.block[0, 1:length + 1].tolist(), automaton, state, drafts)
+        if ids is None:
+            return draft, length
+        block = draft.block.clone()
+        block[0, 1:] = 0
+        block[0, 1:len(ids) + 1] = torch.tensor(ids, dtype=block.dtype)
+        return replace(draft, tokens=block[0, 1:], block=block,
+                       length=torch.tensor(len(ids), device=block.device)), len(ids)

@@ -129,6 +129,10 @@ def warp_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
     return scores
 
 
+#: how invalid verifier logits are named in errors
+VERIFIER_LOGITS = "the backbone's verifier logits"
+
+
 def target_probs(logits: Tensor, config: SamplingConfig, what: str = "logits") -> Tensor:
     """The target law for every row of ``logits``: (..., V) -> (..., V) float64 probabilities.
 
