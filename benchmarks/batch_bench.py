@@ -49,11 +49,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from circuits_llm.app.verify_packing import Precision, decode_model
 from circuits_llm.backbone import HFBackbone
+from circuits_llm.backbone.row_invariant import chunk_rows
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup
 from circuits_llm.decoding.metrics import BatchResult, DecodeResult, single_row_batch
+from circuits_llm.draft_block import BatchDepth
 from circuits_llm.runtime.devices import resolve_device
 from circuits_llm.runtime.timing import GradMode, interleaved, load_average, machine_info, publish
 
@@ -92,6 +95,10 @@ class BatchBenchConfig:
     modes: tuple[str, ...] = tuple(MODES)
     block: str | None = None
     block_steps: int | None = None
+    #: ``--precision`` (:class:`~circuits_llm.app.verify_packing.Precision`): float32 (packed with
+    #: ``packed_linear``), a row-invariant bfloat16 copy, or auto (bfloat16 on a CPU that computes
+    #: it natively); the record keeps the one that ran
+    precision: str = "auto"
 
     @classmethod
     def quick(cls, threads: int = 1, device: str = "cpu") -> BatchBenchConfig:
@@ -275,9 +282,17 @@ def run_benchmark(config: BatchBenchConfig, log: Callable[[str], None] = print) 
     model = loaded.model
     head = load_head(config, loaded, device)
     linear = "torch's default linear kernels"
-    if config.packed_linear:
-        from circuits_llm.app.demo import pack_for_verify_blocks
-        linear = pack_for_verify_blocks(model, head.window, device)
+    precision = Precision(config.precision).resolve(device)
+    config = dataclasses.replace(config, precision=precision.value)
+    if precision is Precision.BFLOAT16:  # a copy: the drafters keep the parts they share
+        model, linear = decode_model(model, precision, head.window, device)
+        rows = chunk_rows(model)
+        if config.block_steps is None and hasattr(head, "batch_depth") and rows is not None:
+            # as generate --prompts-file drafts: every row's verify block within one call
+            head.batch_depth = BatchDepth.within(rows, head.window - 1)
+            linear += f"; the block drafts {head.batch_depth.describe()}"
+    elif config.packed_linear:
+        linear = decode_model(model, precision, head.window, device)[1]
     if config.block is not None:  # a draft block verifies all its drafts (journal §11)
         config = dataclasses.replace(config, draft_confidence=None)
     rule = None if config.draft_confidence is None else \
@@ -376,13 +391,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-steps", type=int, default=None,
                         help="a recursive block's drafts per round (default: the shipped block's, "
                              "or a run's trained depth)")
+    parser.add_argument("--precision", choices=[p.value for p in Precision], default=None,
+                        help="the model's precision (default auto: row-invariant bfloat16 on a "
+                             "CPU that computes it natively, float32 elsewhere)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     config = BatchBenchConfig.quick(args.threads, args.device) if args.quick else \
         BatchBenchConfig(threads=args.threads, device=args.device)
     changes: dict[str, Any] = {name: getattr(args, name) for name in
                                ("model", "head", "new_tokens", "prompt_tokens", "repeats",
-                                "block", "block_steps")
+                                "block", "block_steps", "precision")
                                if getattr(args, name) is not None}
     if args.batch_sizes is not None:
         changes["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))

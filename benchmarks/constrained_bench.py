@@ -44,6 +44,7 @@ written atomically as JSON (default ``benchmarks/results/constrained_bench.json`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -66,6 +67,8 @@ from circuits_llm.app.demo import (
 )
 from circuits_llm.app.head_cache import default_cache_dir, obtain_head
 from circuits_llm.app.shipping import shipped_drafter
+from circuits_llm.app.verify_packing import Precision, decode_model
+from circuits_llm.backbone import HFBackbone
 from circuits_llm.constraints import JsonSchema, TokenAutomaton, clear_cache
 from circuits_llm.decoding.constrained import ConstrainedDrafting
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
@@ -185,19 +188,24 @@ def _arm_record(results: list[DecodeResult], texts: list[str], valid: list[bool]
 
 def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] = print,
                   packed_linear: bool = True, arms_matching: str | None = None,
-                  blocks: tuple[str, ...] = BLOCKS) -> dict[str, Any]:
+                  blocks: tuple[str, ...] = BLOCKS,
+                  precision: Precision = Precision.AUTO) -> dict[str, Any]:
     """Every arm on every schema's prompts, greedy and sampling; the JSON-ready record.
 
     ``packed_linear``: the model's linear weights packed with MKL for verify blocks, as
     ``circuits-llm demo`` does (every arm, constrained AR included, shares the model);
     ``arms_matching``: run only constrained AR and the arms whose name contains one of its
-    comma-separated parts; ``blocks``: the shipped draft blocks whose arms run too.
+    comma-separated parts; ``blocks``: the shipped draft blocks whose arms run too;
+    ``precision``: the model's (:class:`~circuits_llm.app.verify_packing.Precision`; bfloat16: every
+    arm on one row-invariant bfloat16 copy, float32 packed as ``packed_linear`` says).
     """
     torch.manual_seed(0)
-    loaded = load_model(resolve_model("smollm2"), torch.device("cpu"))
-    linear = pack_for_verify_blocks(loaded.model, ComparisonConfig.demo().window, torch.device("cpu")) \
-        if packed_linear else "linear layers: torch's default kernels (--plain-linear)"
-    log(linear)
+    cpu = torch.device("cpu")
+    loaded = load_model(resolve_model("smollm2"), cpu)
+    precision = precision.resolve(cpu)
+    linear = "linear layers: torch's default kernels (--plain-linear)"
+    if precision is Precision.FLOAT32 and packed_linear:
+        linear = pack_for_verify_blocks(loaded.model, ComparisonConfig.demo().window, cpu)
     tokenizer = loaded.tokenizer
     cache = default_cache_dir()
     heads = {name: obtain_head(loaded, training_config(ComparisonConfig.demo(False), name), cache,
@@ -214,6 +222,12 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
                         "transitions": automaton.num_transitions}
     window = next(iter(heads.values())).head.window
     backbone = next(iter(heads.values())).backbone
+    if precision is Precision.BFLOAT16:  # after the drafters, which keep the parts they share
+        model, linear = decode_model(loaded.model, precision, window, cpu)
+        backbone = HFBackbone(model)
+        heads = {name: dataclasses.replace(ready, backbone=backbone)
+                 for name, ready in heads.items()}
+    log(linear)
     backbone.reset()
     backbone.extend(torch.tensor([_prompt_ids(tokenizer, SCHEMAS["person"], "hello")]))
     timings = backbone_timings(backbone, (window,), rounds=15)
@@ -284,7 +298,7 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
     return {
         "benchmark": "constrained_bench", "machine": machine_info(torch.device("cpu")),
         "config": {"quick": quick, "max_new_tokens": max_new_tokens, "window": window,
-                   "linear": linear,
+                   "linear": linear, "precision": precision.value,
                    "schemas": list(schemas), "prompts_per_schema": len(next(iter(prompts.values())))},
         "automaton_builds": builds, "backbone_ms": {k: 1e3 * v for k, v in timings.items()},
         "arms": arms, "greedy_equal_to_ar": greedy_equal,
@@ -336,6 +350,10 @@ def benchmark_arguments(argv: list[str] | None, description: str | None,
         parser.add_argument("--plain-linear", action="store_true",
                             help="keep torch's default linear kernels (no MKL packing for verify "
                                  "blocks)")
+        parser.add_argument("--precision", type=Precision, default=Precision.AUTO,
+                            metavar="{auto,float32,bfloat16}",
+                            help="the model's precision (default auto: row-invariant bfloat16 "
+                                 "on a CPU that computes it natively, float32 elsewhere)")
     if arms_flag:
         parser.add_argument("--arms", default=None, metavar="TEXT",
                             help="run only constrained AR and the arms whose name contains one "
@@ -355,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                                blocks_flag=True)
     record = run_benchmark(args.quick, args.max_new_tokens, packed_linear=not args.plain_linear,
                            arms_matching=args.arms,
-                           blocks=tuple(b for b in args.blocks.split(",") if b))
+                           blocks=tuple(b for b in args.blocks.split(",") if b),
+                           precision=args.precision)
     publish(format_table(record), record, args.out)
     bad = [key for key, arm in record["arms"].items() if arm["valid"] != arm["outputs"]]
     return 1 if bad or not all(record["greedy_equal_to_ar"].values()) else 0

@@ -22,6 +22,7 @@ from circuits_llm.app import report
 from circuits_llm.app.cli import main
 from circuits_llm.app.head_cache import head_dir
 from circuits_llm.app.report import DecodeMode, DecoderRow, ReportError
+from circuits_llm.app.verify_packing import Precision
 from circuits_llm.decoding.metrics import DecodeSummary
 from circuits_llm.runtime.devices import describe_device, resolve_device
 from circuits_llm.text.byte_level import decode, evaluation_prompts
@@ -69,9 +70,14 @@ def test_demo_writes_a_valid_report(demo_run: dict) -> None:
                                           "decoders": ["autoregressive", "btree", "ff"]}
     assert {h: r["cached"] for h, r in result["heads"].items()} == {"ff": False, "btree": False}
     assert result["config"]["draft_confidence"] == 0.3 and result["config"]["draft_minimum"] == 0
-    # linear weights packed for the verify blocks; the greedy check above ran on them
+    # the precision auto picks on this CPU; float32 with linear weights packed for the verify
+    # blocks, or a row-invariant bfloat16 copy; the greedy check above ran on it
     assert result["config"]["packed_linear"] is True
-    assert result["machine"]["linear_layers"].startswith("linear layers: weights ")  # what, why
+    precision = Precision.AUTO.resolve(torch.device("cpu"))
+    assert result["config"]["precision"] == precision.value
+    assert result["machine"]["linear_layers"].startswith(  # what, why
+        "model: row-invariant bfloat16: float64 attention" if precision is Precision.BFLOAT16
+        else "linear layers: weights ")
     assert result["config"]["token_input"] == ["ff", "btree"]  # both heads read the token
     assert result["heads"]["ff"]["training_config"]["token_input"] is True
     assert result["heads"]["btree"]["training_config"]["token_input"] is True

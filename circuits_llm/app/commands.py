@@ -36,6 +36,7 @@ from circuits_llm.app.demo import (
 )
 from circuits_llm.app.head_cache import default_cache_dir
 from circuits_llm.app.named_decoders import AUTOREGRESSIVE_NAMES, decoder_for
+from circuits_llm.app.verify_packing import Precision
 from circuits_llm.draft_block import BatchDepth, DraftWeights
 from circuits_llm.heads.shipped import is_block_kind
 from circuits_llm.runtime.devices import DeviceError, add_device_argument, resolve_device
@@ -202,6 +203,11 @@ def _comparison_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     tuning.add_argument("--prompt-bytes", type=_positive_int)
     tuning.add_argument("--new-tokens", type=_positive_int, help="bytes generated per prompt")
     tuning.add_argument("--temperature", type=_positive_float, help="of the sampling mode (1.0)")
+    tuning.add_argument("--precision", type=Precision, metavar="{auto,float32,bfloat16}",
+                        help="the precision the decoders run the model in: bfloat16 is made "
+                             "row-invariant (greedy output identical to plain decoding of the "
+                             "same model); auto (default): bfloat16 where the CPU computes it "
+                             "natively (AVX512-BF16 / AMX), float32 elsewhere")
     tuning.add_argument("--plain-linear", action="store_true",
                         help="keep torch's default linear kernels and weight layout on a CPU "
                              "(by default the weights are stored in the layout and packed with "
@@ -215,7 +221,7 @@ def comparison_config(args: argparse.Namespace, base: ComparisonConfig) -> Compa
              "train_steps", "train_seconds",
              "train_seq_len", "train_batch_size", "learning_rate", "prompts", "prompt_set",
              "prompt_bytes",
-             "new_tokens", "temperature")
+             "new_tokens", "temperature", "precision")
     changes: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     for rule in ("draft_confidence", "block_draft_confidence"):
         if changes.get(rule) == 0:  # 0: every round verifies the whole window
@@ -293,7 +299,8 @@ def _generate(args: argparse.Namespace) -> int:
                                             lookup=args.lookup, packed=not args.plain_linear,
                                             model_name=str(args.model),
                                             draft_steps=args.draft_steps, batch_depth=depth,
-                                            draft_weights=DraftWeights(args.draft_weights))
+                                            draft_weights=DraftWeights(args.draft_weights),
+                                            precision=args.precision)
         return run_prompts_file(args, decoder, description, loaded)
     tokenizer = loaded.tokenizer
     prompt = tokenizer.encode_prompt(args.prompt, chat=args.chat, system=args.system)
@@ -308,7 +315,8 @@ def _generate(args: argparse.Namespace) -> int:
                                         args.compile, args.lookup, packed=not args.plain_linear,
                                         walk=walk, model_name=str(args.model),
                                         draft_steps=args.draft_steps,
-                                        draft_weights=DraftWeights(args.draft_weights))
+                                        draft_weights=DraftWeights(args.draft_weights),
+                                        precision=args.precision)
     generator = torch.Generator(device=decoder.device).manual_seed(args.seed)
     start = time.perf_counter()
     result = decoder.generate(torch.tensor(prompt), stop.max_new_tokens, args.temperature,
@@ -379,6 +387,13 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     gen.add_argument("--compile", action="store_true",
                      help="static KV cache, compiled forwards and a compiled round (torch.compile)")
+    gen.add_argument("--precision", type=Precision, default=Precision.AUTO,
+                     metavar="{auto,float32,bfloat16}",
+                     help="the precision the model runs in: bfloat16 is made row-invariant (a "
+                          "verify block's logits equal those of the same positions decoded one "
+                          "by one, so the output is plain decoding's of the same model); auto "
+                          "(default): bfloat16 on a CPU that computes it natively (AVX512-BF16 / "
+                          "AMX) without --compile, float32 elsewhere")
     gen.add_argument("--plain-linear", action="store_true",
                      help="keep torch's default linear kernels and weight layout on a CPU (by "
                           "default a head's decoder stores the weights in the layout and packs "

@@ -52,7 +52,11 @@ from circuits_llm.app.demo_blocks import (
 )
 from circuits_llm.app.head_cache import HeadOrigin, obtain_head
 from circuits_llm.app.report import DecodeMode, TokenUnit
-from circuits_llm.app.verify_packing import pack_for_verify_blocks
+from circuits_llm.app.verify_packing import (  # noqa: F401 (pack_for_verify_blocks re-exported)
+    Precision,
+    decode_model,
+    pack_for_verify_blocks,
+)
 from circuits_llm.heads.shipped import BLOCK_KIND, block_kind
 from circuits_llm.runtime.devices import describe_device
 from circuits_llm.runtime.timing import machine_info
@@ -149,6 +153,12 @@ class ComparisonConfig:
             2.1 single-token forwards with torch's default kernels). Every decoder shares the
             model, so the autoregressive baseline runs on it too, with the layout and kernel
             measured fastest for one row.
+        precision: :class:`~circuits_llm.app.verify_packing.Precision` the decoders run the model
+            in: float32 (with ``packed_linear``), or a row-invariant bfloat16 copy (a verify
+            block's logits equal those of the same positions one by one, bit for bit; on a CPU
+            with AVX512-BF16 / AMX a verify of 6-16 positions then costs about 1.1 single-token
+            forwards); ``auto`` (the demo's) is bfloat16 where the CPU computes it natively.
+            Heads are obtained (trained) on the model as loaded either way.
         batch_size: decode the prompts this many at a time, each decoder a batch per call (one
             backbone call per round for the batch, every row as if alone; eager backbones only),
             throughput being tokens over the batch per second (1: prompt by prompt).
@@ -183,6 +193,7 @@ class ComparisonConfig:
     compile_rounds: bool = False
     compile: bool = False
     packed_linear: bool = False
+    precision: Precision = Precision.FLOAT32
     batch_size: int = 1
 
     @classmethod
@@ -201,6 +212,7 @@ class ComparisonConfig:
         full = cls(window=8, rank=16, draft_vocab=4096, token_input=("ff", "btree"),
                    blocks=(BLOCK_KIND, block_kind("btree")),
                    draft_confidence=0.3, draft_minimum=0, packed_linear=True,
+                   precision=Precision.AUTO,
                    lookup=(0.1, 0.3, 0.5), train_seq_len=128, train_batch_size=8,
                    self_distill=True, prompts=6, new_tokens=128)
         if quick:
@@ -281,11 +293,12 @@ def _unit(loaded: Any) -> TokenUnit:
     return TokenUnit.BYTES if kind is TokenizerKind.BYTES else TokenUnit.TOKENS
 
 
-def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig,
+def _decoders(model: Any, heads: list[Any], config: ComparisonConfig,
               blocks: Sequence[ReadyBlock] = (), log: Callable[[str], None] = print
               ) -> dict[str, Any]:
     """The autoregressive decoder and one speculative decoder per head and per draft block,
-    eager or all compiled.
+    eager or all compiled, every backbone on ``model`` (:func:`decode_model`'s), but a LoRA
+    head's own (float32 only).
 
     Compiled, every decoder whose head reads the final hidden state shares one backbone with a
     static cache compiled for blocks of 1 and ``window`` tokens (and each draft block's window;
@@ -301,16 +314,16 @@ def _decoders(loaded: Any, heads: list[Any], config: ComparisonConfig,
         DraftLength.confident(config.block_draft_confidence, minimum=config.draft_minimum)
     lookup = None if config.lookup is None else ContextLookup(tuple(config.lookup))
     if not config.compile:
-        decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(loaded.model))}
-        decoders.update({h.name: SpeculativeDecoder(h.backbone, h.head, draft_length=rule,
-                                                    lookup=lookup, compile=config.compile_rounds)
-                         for h in heads})
-        decoders.update(block_decoders(blocks, lambda: HFBackbone(loaded.model),
+        decoders: dict[str, Any] = {rep.BASELINE: AutoregressiveDecoder(HFBackbone(model))}
+        decoders.update({h.name: SpeculativeDecoder(
+            HFBackbone(model) if h.backbone.lora_layers == 0 else h.backbone, h.head,
+            draft_length=rule, lookup=lookup, compile=config.compile_rounds) for h in heads})
+        decoders.update(block_decoders(blocks, lambda: HFBackbone(model),
                                        draft_length=block_rule, lookup=lookup,
                                        compile=config.compile_rounds, log=log))
         return decoders
     lengths = sorted({1, config.window, *(b.drafter.window for b in blocks)})
-    shared = HFBackbone(loaded.model, compile=True, compiled_lengths=lengths)
+    shared = HFBackbone(model, compile=True, compiled_lengths=lengths)
     decoders = {rep.BASELINE: AutoregressiveDecoder(shared)}
     for h in heads:
         backbone = shared if h.backbone.lora_layers == 0 else h.backbone
@@ -354,9 +367,15 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
         f"parameters, fingerprint {loaded.fingerprint[:12]}) on {describe_device(device)}")
     found_blocks = find_blocks(loaded.model, config.blocks, shipped, log)
     widest = max([config.window, *(block_window(b) for b in found_blocks)])
-    linear = pack_for_verify_blocks(loaded.model, widest, device) \
-        if config.packed_linear else "linear layers: torch's default kernels (--plain-linear)"
-    log(linear)
+    try:
+        precision = config.precision.resolve(device, compile=config.compile)
+    except ValueError as error:
+        raise DemoError(str(error)) from None
+    config = replace(config, precision=precision)  # the report records the one that ran
+    if precision is Precision.FLOAT32 and not config.packed_linear:
+        linear = "linear layers: torch's default kernels (--plain-linear)"
+    elif precision is Precision.FLOAT32:  # packed before training, as the decoders run
+        linear = decode_model(loaded.model, precision, widest, device)[1]
     try:
         prompts = evaluation_prompts(loaded.tokenizer, config.prompts, config.prompt_bytes) \
             if config.prompt_set is PromptSet.CODE else \
@@ -374,7 +393,15 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
     blocks = load_blocks(found_blocks, loaded)
     for block in blocks:
         log(describe_block(block, unit))
-    decoders = _decoders(loaded, heads, config, blocks, log)
+    model = loaded.model
+    if precision is Precision.BFLOAT16:  # after the drafters, which keep the parts they share
+        if any(h.backbone.lora_layers for h in heads):
+            raise DemoError("--precision bfloat16 runs the decoders on a bfloat16 copy of the "
+                            "model, and a LoRA head's backbone is its own float32 one: give "
+                            "--precision float32 with --lora-layers")
+        model, linear = decode_model(loaded.model, precision, widest, device)
+    log(linear)
+    decoders = _decoders(model, heads, config, blocks, log)
     comparison = compare_decoders(decoders, prompts, config.new_tokens, config.temperature,
                                   config.seed, progress, config.batch_size)
     rows = comparison.rows()

@@ -33,6 +33,8 @@ from circuits_llm.app.head_cache import (
     no_drafter_message,
 )
 from circuits_llm.app.shipping import ShippedDrafter, load_shipped_drafter
+from circuits_llm.app.verify_packing import Precision, decode_model
+from circuits_llm.backbone.row_invariant import chunk_rows
 from circuits_llm.draft_block import BatchDepth, DraftWeights
 from circuits_llm.heads.shipped import (
     BLOCK_FILES,
@@ -94,22 +96,36 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int 
     return None
 
 
-def _with_backbone(head: Any, loaded: Any, compile: bool, packed: bool) -> tuple[Any, Any]:
-    """``head`` in eval mode and a backbone on the model (without LoRA layers); ``packed``: the
-    model's linear weights packed for the head's verify blocks first (a CPU)."""
-    from circuits_llm.backbone import HFBackbone
+def _model_for(loaded: Any, precision: Precision, packed: bool, window: int) -> Any:
+    """The model the decoder's backbone wraps: a row-invariant bfloat16 copy
+    (:func:`~circuits_llm.app.verify_packing.decode_model`; ``precision`` already resolved), or
+    the loaded model, its linear weights packed for verify blocks of ``window`` with ``packed``
+    (a CPU)."""
+    device = loaded.model.device
+    if precision is Precision.BFLOAT16:
+        return decode_model(loaded.model, precision, window, device)[0]
     if packed:
-        pack_for_verify_blocks(loaded.model, head.window, loaded.model.device)
+        pack_for_verify_blocks(loaded.model, window, device)
+    return loaded.model
+
+
+def _with_backbone(head: Any, loaded: Any, compile: bool, packed: bool,
+                   precision: Precision) -> tuple[Any, Any]:
+    """``head`` in eval mode and a backbone (without LoRA layers) on :func:`_model_for`'s model."""
+    from circuits_llm.backbone import HFBackbone
+    model = _model_for(loaded, precision, packed, head.window)
     lengths = sorted({1, head.window}) if compile else None
-    return head.eval(), HFBackbone(loaded.model, compile=compile, compiled_lengths=lengths)
+    return head.eval(), HFBackbone(model, compile=compile, compiled_lengths=lengths)
 
 
 def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compile: bool,
-                     packed: bool) -> tuple[Any, Any, str]:
+                     packed: bool, precision: Precision, explicit: bool = False
+                     ) -> tuple[Any, Any, str]:
     """The head ``--head`` names, its backbone, and where it came from: a head kind (one the user
     trained into ``cache`` for this model, else the package's shipped head:
     :func:`~circuits_llm.app.head_cache.find_head`), a saved head's directory (``save_head``'s
-    files, a shipped head's included) or a ``train-head`` run directory."""
+    files, a shipped head's included) or a ``train-head`` run directory (which decodes on its own
+    float32 backbone; an error when bfloat16 was asked for ``explicit``-ly)."""
     from circuits_llm.heads import head_kind_names, load_head
     from circuits_llm.heads.io import CONFIG_FILE
     from circuits_llm.text.models import config_fingerprint
@@ -120,7 +136,8 @@ def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compi
                      for quick in (False, True)]
         found = find_head(loaded, head.lower(), cache, preferred, model_name)
         if found.shipped is not None:
-            return *_with_backbone(found.shipped.load(device), loaded, compile, packed), \
+            return *_with_backbone(found.shipped.load(device), loaded, compile, packed,
+                                   precision), \
                 found.describe()
         assert found.run_dir is not None
         run_dir = found.run_dir
@@ -132,7 +149,11 @@ def _load_named_head(head: str, loaded: Any, cache: Path, model_name: str, compi
         config = loaded.model.config
         saved = load_head(run_dir, config.hidden_size, config.vocab_size, device=device,
                           expected_fingerprint=config_fingerprint(loaded.model))
-        return *_with_backbone(saved, loaded, compile, packed), str(run_dir)
+        return *_with_backbone(saved, loaded, compile, packed, precision), str(run_dir)
+    if precision is Precision.BFLOAT16 and explicit:  # a run builds its own (LoRA) backbone
+        raise DemoError(f"--head {head}: a train-head run decodes on its own float32 backbone; "
+                        "give --precision float32, or save the head (save_head) and give its "
+                        "directory")
     if packed:  # a train-head run
         from circuits_llm.training.results import RECORD_FILE, read_record, record_config
         window = record_config(read_record(run_dir), run_dir / RECORD_FILE).window
@@ -144,22 +165,33 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                  lookup: tuple[float, ...] = (), packed: bool = False,
                  walk: float = 0.0, model_name: str = "MODEL", draft_steps: int | None = None,
                  batch_depth: BatchDepth | None = None,
-                 draft_weights: DraftWeights = DraftWeights.AUTO) -> tuple[Any, str]:
+                 draft_weights: DraftWeights = DraftWeights.AUTO,
+                 precision: Precision = Precision.FLOAT32) -> tuple[Any, str]:
     """The decoder ``--head`` names (compiled alike on both sides with ``compile``; mixing a copy
     of the context into the drafts with ``lookup``'s weights, and under a constraint its walk
     with weight ``walk``; a speculative decoder on a CPU with ``packed``: the model's linear
     weights packed for its verify blocks; a recursive draft block drafting ``draft_steps`` a
     round, ``None``: its own depth, and in a batch as ``batch_depth`` says, a
     :class:`~circuits_llm.draft_block.BatchDepth`; a draft block's projections held as
-    ``draft_weights`` says, :class:`~circuits_llm.draft_block.DraftWeights`), and a description
-    of it."""
+    ``draft_weights`` says, :class:`~circuits_llm.draft_block.DraftWeights`; the backbone on the
+    model in ``precision``, :class:`~circuits_llm.app.verify_packing.Precision`), and a
+    description of it.
+
+    Raises:
+        DemoError: a bad combination of options, named with what to do instead.
+    """
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
+    try:
+        chosen = precision.resolve(loaded.model.device, compile=compile)
+    except ValueError as error:
+        raise DemoError(str(error)) from None
     if head.lower() in AUTOREGRESSIVE_NAMES:
         if lookup:
             raise DemoError("--lookup mixes a copy of the context into a head's drafts: choose a "
                             "--head other than ar, or leave --lookup out")
-        return AutoregressiveDecoder(HFBackbone(loaded.model, compile=compile)), "autoregressive"
+        model = _model_for(loaded, chosen, False, 1)
+        return AutoregressiveDecoder(HFBackbone(model, compile=compile)), "autoregressive"
     found = block_drafter(head, loaded, model_name, draft_steps, draft_weights)
     drafter: Any
     if found is None and draft_steps is not None:
@@ -174,16 +206,19 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
         drafter, where = found
         if drafter.weights is DraftWeights.INT8:
             where += "; projections in int8"
+        model = _model_for(loaded, chosen, packed, drafter.window)
+        rows = chunk_rows(model)
+        if batch_depth is not None and rows is not None:  # bfloat16: each verify in one call
+            batch_depth = BatchDepth.within(rows, drafter.window - 1)
         if batch_depth is not None and hasattr(drafter, "batch_depth"):  # a recursive block
             drafter.batch_depth = batch_depth
             where += f"; in a batch {batch_depth.describe()}"
-        if packed:
-            pack_for_verify_blocks(loaded.model, drafter.window, loaded.model.device)
-        backbone = HFBackbone(loaded.model, compile=compile, compiled_lengths=sorted(
+        backbone = HFBackbone(model, compile=compile, compiled_lengths=sorted(
             {1, drafter.window}) if compile else None)
     else:
         mtp_head, backbone, where = _load_named_head(head, loaded, cache, model_name, compile,
-                                                     packed)
+                                                     packed, chosen,
+                                                     precision is Precision.BFLOAT16)
         drafter = mtp_head.eval()
     from circuits_llm.decoding.lookup import ContextLookup
     # a weight of 0 never copies: the walk alone when only it is asked for

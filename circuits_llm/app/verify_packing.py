@@ -1,12 +1,72 @@
-"""The model's linear weights laid out and packed for verify blocks on a CPU, once, before any
-backbone wraps the model: what ``demo``, ``bench``, ``generate`` with a head and the benchmarks
-run (:func:`pack_for_verify_blocks`; re-exported by :mod:`circuits_llm.app.demo`)."""
+"""The numerics a decode runs the model in, chosen once before any backbone wraps the model:
+what ``demo``, ``bench``, ``generate`` and the benchmarks run.
+
+* :class:`Precision`: float32 (the weights as loaded, laid out and packed for verify blocks by
+  :func:`pack_for_verify_blocks`), or bfloat16 made row-invariant
+  (:func:`~circuits_llm.backbone.row_invariant.make_row_invariant`: a verify block's logits equal
+  the same positions decoded one by one, bit for bit), which on a CPU with AVX512-BF16 / AMX makes
+  a verify of 6-16 positions cost about 1.1 single-position forwards (journal §16). ``auto`` is
+  bfloat16 where torch's CPU kernels compute it natively, float32 elsewhere.
+* :func:`decode_model`: the model the decoders run, in that precision. A bfloat16 decode runs a
+  copy, so that the drafters, which share the target's embedding, final norm and LM head, keep
+  reading them as they were trained.
+"""
 
 from __future__ import annotations
 
+import copy
+from enum import Enum
+from typing import Any
+
 import torch
 
-__all__ = ["pack_for_verify_blocks"]
+__all__ = ["Precision", "decode_model", "pack_for_verify_blocks"]
+
+
+class Precision(Enum):
+    """The precision the decoders run the model in (``--precision``)."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    def resolve(self, device: torch.device, compile: bool = False) -> Precision:
+        """A concrete precision: ``AUTO`` is bfloat16 on a CPU whose oneDNN kernels compute
+        bfloat16 natively (AVX512-BF16 or AMX) and an eager backbone, float32 otherwise (a GPU
+        keeps the model as loaded: its verify blocks are cheap already).
+
+        Raises:
+            ValueError: bfloat16 asked for with ``compile``: the row-invariant kernels are probed
+                eager, and compiled code chooses its own.
+        """
+        if self is Precision.BFLOAT16 and compile:
+            raise ValueError("--precision bfloat16 runs row-invariant eager kernels, and --compile "
+                             "would replace them with compiled ones: leave --compile out, or "
+                             "give --precision float32")
+        if self is not Precision.AUTO:
+            return self
+        if compile:
+            return Precision.FLOAT32
+        native = device.type == "cpu" and torch.backends.mkldnn.is_available() and \
+            bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return Precision.BFLOAT16 if native else Precision.FLOAT32
+
+
+def decode_model(model: Any, precision: Precision, window: int, device: torch.device
+                 ) -> tuple[Any, str]:
+    """The model every decoder of a run wraps, and a line saying what was done.
+
+    float32: ``model`` itself, its linear weights laid out and packed for verify blocks of up to
+    ``window`` tokens on a CPU (:func:`pack_for_verify_blocks`). bfloat16: a row-invariant
+    bfloat16 copy (:func:`~circuits_llm.backbone.row_invariant.make_row_invariant`); ``model``
+    stays as it was, for the drafters that share its parts. ``AUTO`` is resolved first."""
+    from circuits_llm.backbone.row_invariant import make_row_invariant
+    chosen = precision.resolve(device)
+    if chosen is Precision.FLOAT32:
+        return model, pack_for_verify_blocks(model, window, device)
+    copied = copy.deepcopy(model)
+    done = make_row_invariant(copied, torch.bfloat16)
+    return copied, f"model: {done.describe()}"
 
 
 def pack_for_verify_blocks(model: torch.nn.Module, window: int, device: torch.device) -> str:

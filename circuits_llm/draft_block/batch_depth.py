@@ -64,6 +64,28 @@ class BatchDepth:
         5; at batch 8 it does); ``None`` (the full depth) elsewhere, where it is not measured."""
         return cls(((4, 2),)) if device.type == "cpu" else None
 
+    @classmethod
+    def within(cls, rows: int, most: int = 7) -> BatchDepth:
+        """The deepest round whose verify block, ``drafts + 1`` tokens for every row, fits in
+        ``rows`` rows (at least 1 draft): what a row-invariant bfloat16 model on a CPU takes in
+        one call at the price of one token, ``rows`` being its probed chunk size
+        (:func:`~circuits_llm.backbone.row_invariant.chunk_rows`). With 32: 5 drafts up to 5 rows,
+        3 at 8, 1 from 11 (journal section 16: at batch 8, 3 drafts took greedy from 0.88x to
+        1.10x batched plain decoding).
+
+        Raises:
+            DraftBlockError: ``rows`` or ``most`` below 1.
+        """
+        if rows < 1 or most < 1:
+            raise DraftBlockError(f"BatchDepth.within takes rows >= 1 and most >= 1, got {rows}, "
+                                  f"{most}")
+        steps: list[tuple[int, int]] = []
+        for batch in range(1, rows + 1):
+            drafts = max(1, min(most, rows // batch - 1))
+            if drafts < (steps[-1][1] if steps else most):
+                steps.append((batch, drafts))
+        return cls(tuple(steps) if steps else ((rows + 1, most),))
+
     def describe(self) -> str:
         """E.g. ``"2 drafts from 4 rows"``."""
         return ", ".join(f"{drafts} draft{'s' * (drafts > 1)} from {rows} rows"
