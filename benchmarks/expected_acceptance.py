@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None,
         training_config,
     )
     from circuits_llm.app.head_cache import default_cache_dir, obtain_head
+    from circuits_llm.app.verify_packing import Precision, decode_model
+    from circuits_llm.backbone import HFBackbone
     from circuits_llm.text.corpus import evaluation_prompts
     from circuits_llm.text.models import load_model
     from circuits_llm.training import load_trained_head
@@ -123,6 +125,10 @@ def main(argv: list[str] | None = None,
     parser.add_argument("--no-greedy", action="store_true", help="skip the greedy measures")
     parser.add_argument("--no-costs", action="store_true",
                         help="skip timing the round's pieces and the speed bounds")
+    parser.add_argument("--precision", type=Precision, default=Precision.FLOAT32,
+                        metavar="{auto,float32,bfloat16}",
+                        help="the model's precision (default float32; bfloat16: a row-invariant "
+                             "copy, the law --precision auto decodes on a CPU with AVX512-BF16)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -147,14 +153,24 @@ def main(argv: list[str] | None = None,
             block, on_block = load_block_drafters(args.block, args.head, loaded.model)
         except BLOCK_LOAD_ERRORS as error:
             parser.error(str(error))
-    if not args.no_costs and names + args.runs:  # verify blocks as make demo runs them
-        log(pack_for_verify_blocks(loaded.model, ComparisonConfig.demo(False).window,
-                                   torch.device("cpu")))
+    cpu = torch.device("cpu")
+    precision = args.precision.resolve(cpu)
+    target = loaded.model  # the model whose law is measured; the drafters keep loaded.model
+    if precision is Precision.BFLOAT16:
+        target, line = decode_model(loaded.model, precision, ComparisonConfig.demo(False).window,
+                                    cpu)
+        log(line)
+    elif not args.no_costs and names + args.runs:  # verify blocks as make demo runs them
+        log(pack_for_verify_blocks(loaded.model, ComparisonConfig.demo(False).window, cpu))
     ready: dict[str, tuple[Any, Backbone]] = {}
     for name in names:
         head = obtain_head(loaded, training_config(ComparisonConfig.demo(False), name),
                            default_cache_dir(), max_seconds=0.0, progress=False)
-        ready[name] = (head.head.eval(), head.backbone)
+        backbone = head.backbone if target is loaded.model else HFBackbone(target)
+        ready[name] = (head.head.eval(), backbone)
+    if args.runs and target is not loaded.model:
+        parser.error("run directories decode on their own float32 backbone: leave --precision "
+                     "out, or measure shipped heads (--heads) and blocks (--block)")
     for run in args.runs:
         try:  # a head trained on a draft block is refused: measure it with --block and --head
             head, backbone = load_trained_head(run, loaded.model)
@@ -169,12 +185,13 @@ def main(argv: list[str] | None = None,
                                    greedy=greedy)
         log(f"{name}: done")
     if block is not None:
-        heads.update(measure_block_drafters(block, on_block, loaded.model, texts,
+        heads.update(measure_block_drafters(block, on_block, target, texts,
                                             args.draft_temperatures, greedy=greedy,
                                             int8=args.int8, log=log))
     record = {"machine": machine_info(threads=args.threads), "texts": args.texts,
               "length": args.length, "block": None if args.block is None else str(args.block),
-              "head_on_block": None if args.head is None else str(args.head), "heads": heads}
+              "head_on_block": None if args.head is None else str(args.head),
+              "precision": precision.value, "heads": heads}
     publish(table(heads), record, args.out)
 
 
