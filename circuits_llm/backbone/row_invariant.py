@@ -45,6 +45,7 @@ from transformers.pytorch_utils import Conv1D
 __all__ = [
     "ROW_INVARIANT_ATTENTION",
     "RowInvariance",
+    "RowInvarianceError",
     "RowInvariantConv1D",
     "RowInvariantLinear",
     "chunk_rows",
