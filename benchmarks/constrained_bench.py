@@ -61,15 +61,10 @@ import jsonschema
 import torch
 
 from benchmarks.decoder_bench import backbone_timings
-from circuits_llm.app.demo import (
-    ComparisonConfig,
-    pack_for_verify_blocks,
-    resolve_model,
-    training_config,
-)
+from circuits_llm.app.demo import ComparisonConfig, resolve_model, training_config
 from circuits_llm.app.head_cache import default_cache_dir, obtain_head
 from circuits_llm.app.shipping import shipped_drafter
-from circuits_llm.app.verify_packing import Precision, decode_model
+from circuits_llm.app.verify_packing import Precision, decode_model, pack_for_verify_blocks
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.constraints import JsonSchema, TokenAutomaton, clear_cache
 from circuits_llm.decoding.constrained import ConstrainedDrafting

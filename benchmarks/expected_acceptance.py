@@ -92,14 +92,9 @@ def _floats(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None,
          log: Callable[[str], None] = lambda line: print(line, flush=True)) -> None:
-    from circuits_llm.app.demo import (
-        ComparisonConfig,
-        pack_for_verify_blocks,
-        resolve_model,
-        training_config,
-    )
+    from circuits_llm.app.demo import ComparisonConfig, resolve_model, training_config
     from circuits_llm.app.head_cache import default_cache_dir, obtain_head
-    from circuits_llm.app.verify_packing import Precision, decode_model
+    from circuits_llm.app.verify_packing import Precision, decode_model, pack_for_verify_blocks
     from circuits_llm.backbone import HFBackbone
     from circuits_llm.text.corpus import evaluation_prompts
     from circuits_llm.text.models import load_model

@@ -52,11 +52,7 @@ from circuits_llm.app.demo_blocks import (
 )
 from circuits_llm.app.head_cache import HeadOrigin, obtain_head
 from circuits_llm.app.report import DecodeMode, TokenUnit
-from circuits_llm.app.verify_packing import (  # noqa: F401 (pack_for_verify_blocks re-exported)
-    Precision,
-    decode_model,
-    pack_for_verify_blocks,
-)
+from circuits_llm.app.verify_packing import Precision, decode_model
 from circuits_llm.heads.shipped import BLOCK_KIND, block_kind
 from circuits_llm.runtime.devices import describe_device
 from circuits_llm.runtime.timing import machine_info

@@ -20,12 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from circuits_llm.app.demo import (
-    ComparisonConfig,
-    DemoError,
-    pack_for_verify_blocks,
-    training_config,
-)
+from circuits_llm.app.demo import ComparisonConfig, DemoError, training_config
 from circuits_llm.app.head_cache import (
     NoHeadError,
     find_head,
@@ -33,7 +28,7 @@ from circuits_llm.app.head_cache import (
     no_drafter_message,
 )
 from circuits_llm.app.shipping import ShippedDrafter, load_shipped_drafter
-from circuits_llm.app.verify_packing import Precision, decode_model
+from circuits_llm.app.verify_packing import Precision, decode_model, pack_for_verify_blocks
 from circuits_llm.backbone.row_invariant import chunk_rows
 from circuits_llm.draft_block import BatchDepth, DraftWeights
 from circuits_llm.heads.shipped import (
