@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.spec_tools import decode_prompts
+from benchmarks.spec_tools import compare_on_prompts
 from circuits_llm.runtime.timing import machine_info, publish
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,32 +64,17 @@ def run(prompt_set: str, count: int, new_tokens: int, fixed: int, most: int,
         f"block, adaptive up to {most}": lambda: SpeculativeDecoder(
             HFBackbone(loaded.model), BlockDrafter(block, most), compile=True, lookup=lookup,
             draft_depth=rule)}
-    rows: dict[str, Any] = {}
-    for mode, temperature in MODES.items():
-        outputs: dict[str, list[list[int]]] = {}
-        for name, make in makers.items():
-            decoder = make()
-            depths: list[int] = []
+    depths: dict[str, list[int]] = {}
 
-            def read_depths(_: object, decoder: Any = decoder, depths: list[int] = depths) -> None:
-                tracker = getattr(decoder, "depths", None)  # the adaptive decoder's, per decode
-                if tracker is not None:
-                    depths.extend(tracker.depths)
+    def read_depths(mode: str, name: str, decoder: Any, _: object) -> None:
+        tracker = getattr(decoder, "depths", None)  # the adaptive decoder's, per decode
+        if tracker is not None:
+            depths.setdefault(f"{mode}, {name}", []).extend(tracker.depths)
 
-            decoded = decode_prompts(decoder, texts, new_tokens, temperature, read_depths)
-            outputs[name] = decoded.outputs
-            tokens, rounds, seconds = decoded.tokens, decoded.rounds, decoded.seconds
-            row = {"tokens_per_second": tokens / seconds, "tokens_per_round": tokens / rounds}
-            if depths:
-                row["rounds_by_depth"] = {str(d): depths.count(d) for d in sorted(set(depths))}
-            rows[f"{mode}, {name}"] = row
-        base = rows[f"{mode}, autoregressive"]["tokens_per_second"]
-        for name in makers:
-            rows[f"{mode}, {name}"]["speedup_vs_autoregressive"] = \
-                rows[f"{mode}, {name}"]["tokens_per_second"] / base
-            log(f"{mode:>6} {name:<26} {rows[f'{mode}, {name}']['speedup_vs_autoregressive']:.3f}x")
-        if temperature == 0 and any(out != outputs["autoregressive"] for out in outputs.values()):
-            raise AssertionError("greedy outputs differ between the decoders")
+    rows: dict[str, Any] = compare_on_prompts(makers, texts, new_tokens, MODES, log, read_depths)
+    for key, seen in depths.items():
+        if seen:
+            rows[key]["rounds_by_depth"] = {str(d): seen.count(d) for d in sorted(set(seen))}
     return rows
 
 

@@ -4,6 +4,8 @@
   accept-all throughput bound (the MTPC paper's ``max_tok/s``; :mod:`benchmarks.decoder_bench`).
 * :func:`decode_prompts`: a warm-up, then every prompt decoded once with its own seed, timed as
   one loop (:mod:`benchmarks.block_step_bench`, :mod:`benchmarks.draft_depth_bench`).
+* :func:`compare_on_prompts`: several decoders through :func:`decode_prompts` in each mode, as
+  ratios to the first (:mod:`benchmarks.draft_depth_bench`, :mod:`experiments.third_party_code`).
 """
 
 from __future__ import annotations
@@ -98,3 +100,39 @@ def decode_prompts(decoder: Any, prompts: Sequence[Tensor], new_tokens: int, tem
             after(result)
         results.append(result)
     return DecodedPrompts(results, time.perf_counter() - start)
+
+
+def compare_on_prompts(makers: dict[str, Callable[[], Any]], prompts: Sequence[Tensor],
+                       new_tokens: int, modes: dict[str, float],
+                       log: Callable[[str], None] = print,
+                       after: Callable[[str, str, Any, DecodeResult], None] | None = None
+                       ) -> dict[str, dict[str, float]]:
+    """Each decoder ``makers`` builds (the first: the baseline) decodes ``prompts`` in every mode
+    (name -> temperature) with :func:`decode_prompts`; rows ``"<mode>, <name>"`` with tokens a
+    second, tokens a round and ``speedup_vs_autoregressive`` (over the first decoder in the same
+    mode). ``after(mode, name, decoder, result)`` sees each result.
+
+    Raises:
+        AssertionError: a greedy mode (temperature 0) whose outputs differ between decoders.
+    """
+    rows: dict[str, dict[str, float]] = {}
+    baseline = next(iter(makers))
+    for mode, temperature in modes.items():
+        outputs = {}
+        for name, make in makers.items():
+            decoder = make()
+            seen = None if after is None else \
+                (lambda result, m=mode, n=name, d=decoder: after(m, n, d, result))
+            decoded = decode_prompts(decoder, prompts, new_tokens, temperature, seen)
+            outputs[name] = decoded.outputs
+            rows[f"{mode}, {name}"] = {"tokens_per_second": decoded.tokens / decoded.seconds,
+                                       "tokens_per_round": decoded.tokens / decoded.rounds}
+        base = rows[f"{mode}, {baseline}"]["tokens_per_second"]
+        for name in makers:
+            row = rows[f"{mode}, {name}"]
+            row["speedup_vs_autoregressive"] = row["tokens_per_second"] / base
+            log(f"{mode:>6} {name:<26} {row['tokens_per_round']:.2f} tokens a round, "
+                f"{row['speedup_vs_autoregressive']:.3f}x")
+        if temperature == 0 and any(out != outputs[baseline] for out in outputs.values()):
+            raise AssertionError(f"greedy outputs differ between the decoders ({mode})")
+    return rows

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.spec_tools import decode_prompts
+from benchmarks.spec_tools import compare_on_prompts
 from circuits_llm.runtime.timing import machine_info, publish
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -87,23 +87,7 @@ def run(package: str, count: int, new_tokens: int, precision_name: str,
                  for name, head in heads.items()},
               "block": lambda: SpeculativeDecoder(HFBackbone(model), block, lookup=lookup,
                                                   compile=True)}
-    rows: dict[str, Any] = {}
-    for mode, temperature in MODES.items():
-        outputs = {}
-        for name, make in makers.items():
-            decoded = decode_prompts(make(), prompts, new_tokens, temperature)
-            outputs[name] = decoded.outputs
-            rows[f"{mode}, {name}"] = {
-                "tokens_per_second": decoded.tokens / decoded.seconds,
-                "tokens_per_round": decoded.tokens / decoded.rounds}
-        base = rows[f"{mode}, autoregressive"]["tokens_per_second"]
-        for name in makers:
-            row = rows[f"{mode}, {name}"]
-            row["speedup_vs_autoregressive"] = row["tokens_per_second"] / base
-            log(f"{mode:>6} {name:<15} {row['tokens_per_round']:.2f} tokens a round, "
-                f"{row['speedup_vs_autoregressive']:.3f}x")
-        if temperature == 0 and any(out != outputs["autoregressive"] for out in outputs.values()):
-            raise AssertionError("greedy outputs differ between the decoders")
+    rows = compare_on_prompts(makers, prompts, new_tokens, MODES, log)
     return {"package": package, "files": files, "prompts": count, "new_tokens": new_tokens,
             "precision": precision.value, "linear_layers": line, "rows": rows}
 
