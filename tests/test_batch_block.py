@@ -459,7 +459,7 @@ def test_a_subclassed_drafter_drafts_row_by_row(drafters: dict[str, Any]) -> Non
     class Subclassed(BlockDrafter):
         pass
 
-    assert isinstance(block_batch.block_rows(BlockDrafter(block)), block_batch.PaddedBlockRows)
+    assert isinstance(block_batch.block_rows(BlockDrafter(block)), block_batch.RaggedBlockRows)
     assert isinstance(block_batch.block_rows(Subclassed(block)), block_batch.BlockRows)
     decoder = SpeculativeDecoder(MODEL, Subclassed(block))
     result = decoder.generate(PROMPTS[:2], LIMITS[:2], eos_token_id=())

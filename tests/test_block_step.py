@@ -117,6 +117,46 @@ def test_the_step_equals_the_blocks_forward(shape: str, mode: str) -> None:
         assert double.calls["draft block step"] == 3 + 3 + 2 + 2
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_batch_call_gives_each_row_its_own_forward(shape: str) -> None:
+    """``BlockStep.batch``: three sequences of different lengths, each row's new positions of a
+    different count (1 to 4), through rounds of batch calls with a rollback of one row between
+    them: every row's outputs and cache equal one causal forward over that row alone (float64);
+    the cache of a row that takes another row's inputs (negative control) does not."""
+    model = _model(**SHAPES[shape])
+    block = _block(model, layers=2 if shape == "grouped heads" else 1)
+    generator = torch.Generator().manual_seed(3)
+    n = 14
+    hidden = torch.randn(3, n, 32, generator=generator, dtype=torch.float64)
+    tokens = torch.randint(0, 40, (3, n), generator=generator)
+    references = [_reference(block, hidden[b:b + 1], tokens[b:b + 1]) for b in range(3)]
+    step = BlockStep(block)
+    caches = [step.new_cache(capacity=2) for _ in range(3)]
+    for counts in ((4, 1, 2), (1, 3, 1), (2, 1, 4), (1, 1, 1)):
+        starts = [cache.length for cache in caches]
+        outputs = step.batch(caches, [hidden[b, s:s + m] for b, (s, m) in
+                                      enumerate(zip(starts, counts, strict=True))],
+                             [tokens[b, s:s + m] for b, (s, m) in
+                              enumerate(zip(starts, counts, strict=True))])
+        assert outputs.shape == (3, 32)
+        for b, (start, m) in enumerate(zip(starts, counts, strict=True)):
+            torch.testing.assert_close(outputs[b], references[b][0][0, start + m - 1],
+                                       rtol=1e-10, atol=1e-12)
+        caches[1].truncate(caches[1].length - 1)  # row 1's last position was speculative
+    for cache, (_, reference) in zip(caches, references, strict=True):
+        held = cache.length
+        for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+            torch.testing.assert_close(mine.keys, theirs.keys[:, :, :held], rtol=1e-10,
+                                       atol=1e-12)
+            torch.testing.assert_close(mine.values, theirs.values[:, :, :held], rtol=1e-10,
+                                       atol=1e-12)
+    swapped = step.new_cache()
+    step.batch([swapped], [hidden[0, :4]], [tokens[2, :4]])
+    assert not torch.allclose(swapped.layers[0].values, references[0][1].layers[0].values[:, :, :4])
+    with pytest.raises(DraftBlockError, match="one cache, \\(m, d\\) features and \\(m,\\) tokens"):
+        step.batch(caches, [hidden[0, :1]] * 3, [tokens[0, :0]] * 3)
+
+
 def test_bad_calls_say_what_was_wrong() -> None:
     block = _block(_model())
     step = BlockStep(block)

@@ -24,6 +24,7 @@ checks in ``tests/draft_block_models.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -63,6 +64,8 @@ from circuits_llm.draft_block import (
     BlockStepMode,
     DraftBlockError,
 )
+from circuits_llm.draft_block import batch as block_batch
+from circuits_llm.draft_block.drafter import BlockRoundProgram
 from circuits_llm.runtime.compiling import use_compiler
 
 PRODUCT, FREE = ConstrainedDrafting.PRODUCT, ConstrainedDrafting.FREE
@@ -125,6 +128,53 @@ def test_recursive_block_greedy_equals_generate(mode: str) -> None:
     assert drafted <= ({0, 1} if mode == "fixed-1" else {0, 1, 2, 3})
     if mode.endswith("confident"):  # the rule really chose different lengths
         assert len(drafted - {0}) >= 2, drafted
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one-prompt", "batch"])
+def test_greedy_copied_drafts_skip_the_readout_and_draft_the_same(
+        batch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy drafts the copy proposes are not read out (no logits) and, when the proposal fills
+    the round, not run through the block either; the drafts are those of the same rounds with
+    every readout made (a rule with threshold 0 reads every law, so nothing is skipped there,
+    and it verifies every draft). A skip that broke the chain of block outputs after a proposal
+    would change the drafts after it."""
+    block = perturbed_block(MODEL, steps=3, draft_vocab=COMPRESSED)
+    calls, drafts = {"logits": 0}, []
+    logits = type(block).logits
+    one, rows = BlockRoundProgram._recurse, block_batch.RaggedBlockRows._recursive
+
+    def counted(self: Any, output: Any) -> Any:
+        calls["logits"] += 1
+        return logits(self, output)
+
+    def recorded_one(*args: Any, **kwargs: Any) -> Any:
+        made = one(*args, **kwargs)
+        drafts.append(made.block.tolist())
+        return made
+
+    def recorded_rows(*args: Any, **kwargs: Any) -> Any:
+        made = rows(*args, **kwargs)
+        drafts.extend(draft.block.tolist() for draft in made)
+        return made
+
+    monkeypatch.setattr(type(block), "logits", counted)
+    monkeypatch.setattr(BlockRoundProgram, "_recurse", recorded_one)
+    monkeypatch.setattr(block_batch.RaggedBlockRows, "_recursive", recorded_rows)
+    runs = {}
+    prompts, counts = [case[0] for case in CASES], [case[1] for case in CASES]
+    for name, rule in (("skipping", None), ("reading", DraftLength.confident(0.0))):
+        calls["logits"], drafts[:] = 0, []
+        decoder = SpeculativeDecoder(MODEL, BlockDrafter(block), draft_length=rule, lookup=LOOKUP)
+        if batch:
+            tokens = decoder.generate(prompts, counts, eos_token_id=()).tokens
+        else:
+            tokens = [decoder.generate(p, n, eos_token_id=()).tokens.tolist()
+                      for p, n in zip(prompts, counts, strict=True)]
+        runs[name] = (list(drafts), tokens, calls["logits"])
+    assert runs["skipping"][0] == runs["reading"][0]
+    assert runs["skipping"][1] == runs["reading"][1] == [
+        _generate(MODEL, p, n) for p, n in CASES]
+    assert runs["skipping"][2] < runs["reading"][2]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])

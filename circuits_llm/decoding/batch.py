@@ -105,7 +105,7 @@ class RowState:
             one-token prompt).
         lookup: its output indexed for the context copy (with a ``ContextLookup``).
         context: its own state of the decoder's context drafter (a draft block's cache:
-            :class:`~circuits_llm.draft_block.batch.PaddedRow`), ``None`` without one or once the
+            :class:`~circuits_llm.draft_block.batch.RaggedRow`), ``None`` without one or once the
             row has left the batch.
     """
 
@@ -217,7 +217,7 @@ class SpeculativeRows:
         most :func:`~circuits_llm.decoding.batch_draft.rows_per_pass` rows, which keep a big
         head's outputs within the caches), each row's uniforms drawn from its generator in row
         order, as the single-prompt round draws them. A draft block drafts each row from its
-        own state (:meth:`~circuits_llm.draft_block.batch.PaddedBlockRows.draft`)."""
+        own state (:meth:`~circuits_llm.draft_block.batch.RaggedBlockRows.draft`)."""
         if not rows:
             return []
         decoder = self.decoder

@@ -17,12 +17,13 @@ state, which lives exactly the single-prompt decoder's life on that row:
 
 Two ways to run a round's block steps (:data:`ONE_BLOCK_CALL`, :func:`block_rows`):
 
-* :class:`PaddedBlockRows` (default): every row's block step in ONE block call: the rows' caches
-  gathered left-padded into one, their new pairs right-padded, each row with its own positions
-  and a mask over its own entries only; each row's new keys and values go back to its own cache.
-  Recursive drafting then costs ``k`` block calls a round whatever the batch size; the circuit on
-  the block one block call and one circuit pass for every row
-  (:func:`~circuits_llm.decoding.batch_draft.draft_rows` on the rows' block outputs ``o_1``).
+* :class:`RaggedBlockRows` (default): every row's block step in ONE call of the block's decode
+  step (:meth:`~circuits_llm.draft_block.step.BlockStep.batch`): the rows' new pairs concatenated
+  (not padded) through the fusion, projections and MLP, each row's attention on its own
+  preallocated cache as in its single-prompt call. Recursive drafting then costs ``k`` block calls
+  a round whatever the batch size; the circuit on the block one block call and one circuit pass
+  for every row (:func:`~circuits_llm.decoding.batch_draft.draft_rows` on the rows' block outputs
+  ``o_1``).
 * :class:`BlockRows`: each row a shallow copy of the decoder's drafter (the block's weights, and a
   circuit drafter's head, shared; ``begin`` gives it its own empty cache), drafting with the
   drafter's own round program bound to the copy (the circuit on the block: each row's block
@@ -36,8 +37,8 @@ drafts the copy feeds the proposal's tokens to the block in place of draws, and 
 is the rule on its own drafts and ``q``.
 
 Exactness per row is the single-prompt argument (docs/decoder-exactness.md): every row's drafts
-are drawn from exactly the ``q`` its own history gives (up to float rounding in the padded call,
-whose masked entries weigh exactly zero), and verified by the shared accept program.
+are drawn from exactly the ``q`` its own history gives (up to the float rounding of a linear
+kernel given more rows), and verified by the shared accept program.
 ``tests/test_batch_block.py`` checks both ways: greedy output against ``generate``, draws against
 the single-prompt decoder's, every draft against a fresh drafter's on the row's history, the law
 by enumeration, and each row's cache against a fresh prefill.
@@ -52,7 +53,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuits_llm.backbone.cache_slots import drop_last_positions
 from circuits_llm.decoding.batch_draft import draft_in_passes
 from circuits_llm.decoding.lookup import mixed_conditionals, unpack
 from circuits_llm.decoding.round_data import DraftResult
@@ -61,18 +61,19 @@ from circuits_llm.draft_block.block import check_pairs
 from circuits_llm.draft_block.circuit_drafter import BlockCircuitDrafter, BlockCircuitRoundProgram
 from circuits_llm.draft_block.drafter import BlockDrafter, BlockRoundProgram, draw_step
 from circuits_llm.draft_block.follower import BlockCacheFollower
+from circuits_llm.draft_block.step import BlockKVCache
 
-__all__ = ["ONE_BLOCK_CALL", "BlockRow", "BlockRows", "PaddedBlockRows", "PaddedRow", "batch_drafts",
+__all__ = ["ONE_BLOCK_CALL", "BlockRow", "BlockRows", "RaggedBlockRows", "RaggedRow", "batch_drafts",
            "block_rows"]
 
-#: run every row's block step in one block call (:class:`PaddedBlockRows`); False: one call per
+#: run every row's block step in one block call (:class:`RaggedBlockRows`); False: one call per
 #: row (:class:`BlockRows`, the plain reference the tests compare with)
 ONE_BLOCK_CALL = True
 
 
-def block_rows(drafter: object) -> BlockRows | PaddedBlockRows:
+def block_rows(drafter: object) -> BlockRows | RaggedBlockRows:
     """The batch's per-row draft-block state for the decoder's ``drafter``: every row's block
-    steps in one call (:class:`PaddedBlockRows`) when :data:`ONE_BLOCK_CALL` and the drafter is
+    steps in one call (:class:`RaggedBlockRows`) when :data:`ONE_BLOCK_CALL` and the drafter is
     a ``BlockDrafter`` or ``BlockCircuitDrafter`` itself, else one call per row
     (:class:`BlockRows`: a subclass drafts with its own round program).
 
@@ -81,7 +82,7 @@ def block_rows(drafter: object) -> BlockRows | PaddedBlockRows:
             ``BlockCircuitDrafter``.
     """
     if ONE_BLOCK_CALL and type(drafter) in (BlockDrafter, BlockCircuitDrafter):
-        return PaddedBlockRows(drafter)
+        return RaggedBlockRows(drafter)
     return BlockRows(drafter)
 
 
@@ -223,47 +224,48 @@ class BlockRows:
 
 # ---------------------------------------------------------------- every row's block step in one call
 @dataclass
-class PaddedRow:
-    """One row's draft-block state for :class:`PaddedBlockRows`: what a
+class RaggedRow:
+    """One row's draft-block state for :class:`RaggedBlockRows`: what a
     :class:`~circuits_llm.draft_block.follower.BlockCacheFollower` keeps for one sequence.
 
     Attributes:
-        cache: the row's own block KV cache (batch 1).
+        cache: the row's own preallocated block KV cache
+            (:class:`~circuits_llm.draft_block.step.BlockKVCache`).
         length: its positions holding verified pairs (speculative ones come after).
         pending: the pairs not yet run, ``(hidden (m, d), tokens (m,))``, or ``None``.
     """
 
-    cache: Any
+    cache: BlockKVCache
     length: int = 0
     pending: tuple[Tensor, Tensor] | None = None
 
 
-class PaddedBlockRows:
-    """The draft-block side of a batch round with every row's block step in ONE block call.
+class RaggedBlockRows:
+    """The draft-block side of a batch round with every row's block step in ONE call.
 
-    Each row keeps its own KV cache (:class:`PaddedRow`, the single-prompt drafter's state). A
-    step gathers the rows' caches into one left-padded ``(B, H, P, D)`` cache, right-pads the rows'
-    new pairs to the longest, and runs the block once with each row's own positions (its rotary
-    angles) and a mask that lets a row attend to its own cached and new positions only; then each
-    row's real new keys and values are appended to its own cache. So each row's outputs are, up to
-    float rounding, those of the single-prompt drafter's call on that row, and a round costs ``k``
-    block calls whatever ``B`` (recursive drafting), or one (the circuit on the block, then one
-    circuit pass: :func:`~circuits_llm.decoding.batch_draft.draft_rows`).
+    Each row keeps its own KV cache (:class:`RaggedRow`, the single-prompt drafter's state). A
+    step is :meth:`~circuits_llm.draft_block.step.BlockStep.batch` of the drafter's own decode
+    step: the rows' new pairs, of different counts, run through the block's row-wise layers
+    together, and each row attends over its own cache at its own positions, as the single-prompt
+    drafter's call on that row does. So a round costs ``k`` block calls whatever ``B``
+    (recursive drafting), or one (the circuit on the block, then one circuit pass:
+    :func:`~circuits_llm.decoding.batch_draft.draft_rows`), without gathering the rows' caches
+    into a padded one (which cost a batch of 4 as much drafting as 2 single prompts;
+    docs/journal.md, section 17).
 
-    The block call is :meth:`~circuits_llm.draft_block.block.DraftBlock.forward` with per-row
-    positions and masks, and each recursive step's draws are
-    :func:`~circuits_llm.draft_block.drafter.draw_step` on the batched logits, both shared with
-    the single-prompt drafter.
+    Each recursive step's draws are :func:`~circuits_llm.draft_block.drafter.draw_step` on the
+    batched logits, shared with the single-prompt drafter.
 
     Args:
-        drafter: the decoder's ``BlockDrafter`` or ``BlockCircuitDrafter`` (only its block and
-            its kind are read).
+        drafter: the decoder's ``BlockDrafter`` or ``BlockCircuitDrafter`` (its block, its decode
+            step and its kind are read; its own state is never touched).
     """
 
     def __init__(self, drafter: object) -> None:
         BlockRows(drafter)  # the same refusal of other context drafters
         self.drafter: BlockCacheFollower = drafter  # type: ignore[assignment]
         self.block = self.drafter.block
+        self.step = self.drafter.step
 
     def drafts(self, rows: int, window: int) -> int:
         """As :meth:`BlockRows.drafts`."""
@@ -276,31 +278,30 @@ class PaddedBlockRows:
                                      self.drafter.device)
         return hidden[0], tokens
 
-    def start(self, features: Tensor, tokens: Tensor) -> PaddedRow:
+    def start(self, features: Tensor, tokens: Tensor) -> RaggedRow:
         """A row's state for a new sequence (as ``BlockCacheFollower.begin``)."""
         hidden, tokens = self._pairs(features, tokens)
-        return PaddedRow(self.block.new_cache(), 0, (hidden, tokens) if tokens.numel() else None)
+        return RaggedRow(self.step.new_cache(), 0, (hidden, tokens) if tokens.numel() else None)
 
-    def follow(self, row: PaddedRow, features: Tensor, tokens: Tensor) -> None:
+    def follow(self, row: RaggedRow, features: Tensor, tokens: Tensor) -> None:
         """As ``BlockCacheFollower.follow``: crop the speculative entries, the kept pairs pending."""
         hidden, tokens = self._pairs(features, tokens)
         if row.pending is not None:
             hidden = torch.cat([row.pending[0], hidden])
             tokens = torch.cat([row.pending[1], tokens])
-        drop_last_positions(row.cache, row.cache.get_seq_length() - row.length)
+        row.cache.truncate(row.length)
         row.pending = (hidden, tokens) if tokens.numel() else None
 
-    def flushed(self, row: PaddedRow) -> tuple[Any, int]:
+    def flushed(self, row: RaggedRow) -> tuple[Any, int]:
         """As :meth:`BlockRows.flushed`: the row's pending pairs run -> its cache and length."""
-        drop_last_positions(row.cache, row.cache.get_seq_length() - row.length)
+        row.cache.truncate(row.length)
         if row.pending is not None:
-            with torch.no_grad():
-                self._step([row], [row.pending[0]], [row.pending[1]])
+            self._step([row], [row.pending[0]], [row.pending[1]])
             row.length += row.pending[1].numel()
             row.pending = None
         return row.cache, row.length
 
-    def draft(self, program: Any, rows: list[PaddedRow], hidden: Tensor, c: Tensor,
+    def draft(self, program: Any, rows: list[RaggedRow], hidden: Tensor, c: Tensor,
               uniforms: Tensor | None, components: list[Tensor] | None = None
               ) -> list[DraftResult]:
         """Every row's draft (see :meth:`BlockRows.draft` for the arguments)."""
@@ -324,7 +325,7 @@ class PaddedBlockRows:
                                    f"the BlockCircuitRoundProgram, not {type(program).__name__}")
             return self._recursive(program, rows, output, c.to(device), uniforms, components)
 
-    def _recursive(self, program: BlockRoundProgram, rows: list[PaddedRow], output: Tensor,
+    def _recursive(self, program: BlockRoundProgram, rows: list[RaggedRow], output: Tensor,
                    c: Tensor, uniforms: Tensor | None, components: list[Tensor] | None
                    ) -> list[DraftResult]:
         """``k`` recursive steps for every row: (B, d) outputs -> each row's draft, ``q`` and
@@ -347,17 +348,23 @@ class PaddedBlockRows:
             proposals[b, :count] = proposal[:count].to(device)
         wants_laws = uniforms is not None or program.draft_length.needs_conditionals
         indices, laws, finite = [], [], []
+        # greedy steps the copy proposes in every row need no logits, and no block step is
+        # needed after the last step that reads them (as in the single-prompt round)
+        copied = [not wants_laws and bool(given[:, step].all()) for step in range(depth)]
         for step in range(depth):
-            logits = block.logits(output)  # (B, K)
-            finite.append(torch.isfinite(logits).all(-1))
-            index, _, law = draw_step(logits, config, None if uniforms is None
-                                      else uniforms[:, step], ids, with_law=wants_laws)
-            index = torch.where(given[:, step], proposals[:, step], index)
+            if copied[step]:
+                index = proposals[:, step]
+            else:
+                logits = block.logits(output)  # (B, K)
+                finite.append(torch.isfinite(logits).all(-1))
+                index, _, law = draw_step(logits, config, None if uniforms is None
+                                          else uniforms[:, step], ids, with_law=wants_laws)
+                index = torch.where(given[:, step], proposals[:, step], index)
+                if law is not None:
+                    laws.append(law)
             token = index if ids is None else ids.to(device)[index]
-            if law is not None:
-                laws.append(law)
             indices.append(index)
-            if step < depth - 1:
+            if step < depth - 1 and not all(copied[step + 1:]):
                 output = self._step(rows, list(output[:, None]), list(token[:, None]))
         for _ in range(drafts - depth):  # never verified (L <= depth), as after a dead end
             indices.append(torch.zeros_like(indices[0]))
@@ -366,7 +373,8 @@ class PaddedBlockRows:
         chosen = torch.stack(indices, 1)  # (B, k) draft-vocabulary indices
         tokens = chosen if ids is None else ids.to(device)[chosen]
         blocks = torch.cat([c[:, None], tokens], 1)
-        head_ok = torch.stack(finite, 1).all(1)
+        head_ok = torch.stack(finite, 1).all(1) if finite else \
+            torch.ones(batch, dtype=torch.bool, device=device)
         q = torch.stack(laws, 1) if wants_laws else None  # (B, k, K)
         possible = torch.ones((), dtype=torch.bool, device=device)
         results = []
@@ -380,48 +388,8 @@ class PaddedBlockRows:
                                        length))
         return results
 
-    def _step(self, rows: list[PaddedRow], features: list[Tensor], tokens: list[Tensor]
+    def _step(self, rows: list[RaggedRow], features: list[Tensor], tokens: list[Tensor]
               ) -> Tensor:
         """One block call appending row ``b``'s ``features[b]`` (m_b, d) and ``tokens[b]``
         (m_b,) to its own cache -> (B, d) each row's output at its last new pair."""
-        block, batch = self.block, len(rows)
-        counts = [t.numel() for t in tokens]
-        pasts = [row.cache.get_seq_length() for row in rows]
-        width, past = max(counts), max(pasts)
-        device, dtype = features[0].device, block.dtype
-        hidden = torch.zeros(batch, width, features[0].shape[-1], dtype=dtype, device=device)
-        ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-        for b, (feature, token) in enumerate(zip(features, tokens, strict=True)):
-            hidden[b, :counts[b]] = feature.to(dtype)
-            ids[b, :counts[b]] = token
-        count = torch.tensor(counts, device=device)
-        held = torch.tensor(pasts, device=device)
-        query = torch.arange(width, device=device)
-        positions = held[:, None] + query[None, :]  # (B, m): each row's own positions
-        slots = torch.arange(past, device=device)
-        own_past = (slots[None, :] >= (past - held)[:, None])[:, None, :].expand(-1, width, -1)
-        causal = query[None, :] <= query[:, None]  # (m, m)
-        real = query[None, :] < count[:, None]  # (B, m): the row's real new pairs
-        # a padding query attends to itself too (no empty row); its outputs are never read
-        own_new = causal[None] & (real[:, None, :] | torch.eye(width, dtype=torch.bool,
-                                                                device=device)[None])
-        allowed = torch.cat([own_past, own_new], -1)  # (B, m, P + m)
-        cache = block.new_cache()
-        if past:  # every row's cache, left-padded to the longest (padding never attended)
-            full = rows[pasts.index(past)].cache
-            for layer in range(len(block.layers)):
-                shape = full.layers[layer].keys.shape  # (1, H, P, D)
-                keys = full.layers[layer].keys.new_zeros(batch, shape[1], past, shape[3])
-                values = torch.zeros_like(keys)
-                for b, (row, held_b) in enumerate(zip(rows, pasts, strict=True)):
-                    if held_b:
-                        keys[b, :, past - held_b:] = row.cache.layers[layer].keys[0]
-                        values[b, :, past - held_b:] = row.cache.layers[layer].values[0]
-                cache.update(keys, values, layer)
-        output = block(hidden, ids, positions, allowed, cache)  # each row its own positions
-        for b, row in enumerate(rows):
-            for layer in range(len(block.layers)):
-                new = cache.layers[layer]
-                row.cache.update(new.keys[b:b + 1, :, past:past + counts[b]],
-                                 new.values[b:b + 1, :, past:past + counts[b]], layer)
-        return output[torch.arange(batch, device=device), count - 1]
+        return self.step.batch([row.cache for row in rows], features, tokens)

@@ -216,20 +216,16 @@ class DraftBlock(nn.Module):
 
     def forward(self, hidden: Tensor, tokens: Tensor, positions: Tensor, allowed: Tensor,
                 cache: Cache | None = None) -> Tensor:
-        """Run the block on ``m`` new positions of each of ``B`` sequences.
-
-        One sequence (:meth:`extend`, training) gives shared ``positions`` and ``allowed``; a
-        padded batch of sequences, each at its own positions and with its own padding
-        (:class:`~circuits_llm.draft_block.batch.PaddedBlockRows`), gives them per row.
+        """Run the block on ``m`` new positions of each of ``B`` sequences at the same positions
+        (:meth:`extend`, training; drafting runs the same layers through
+        :class:`~circuits_llm.draft_block.step.BlockStep`).
 
         Args:
             hidden: (B, m, d) the features ``h`` of the new positions.
             tokens: (B, m) long, the token each position reads (``x_{j+1}`` for ``h_j``).
-            positions: (m,) or (B, m) long, each position's index (its rotary angle), shared by
-                the rows or each row's own.
-            allowed: (m, P + m) or (B, m, P + m) bool, which keys each new position attends to:
-                the ``P`` cached ones, then the new ones (shared or per row; a padding slot must
-                be attended by no real position, and every position must attend to some key).
+            positions: (m,) long, each position's index (its rotary angle).
+            allowed: (m, P + m) bool, which keys each new position attends to: the ``P`` cached
+                ones, then the new ones (every position must attend to some key).
             cache: the block's KV cache (``P`` positions, batch ``B``; the new ones are
                 appended), or ``None`` (``P = 0``, nothing kept: training).
 
@@ -242,19 +238,16 @@ class DraftBlock(nn.Module):
         if tokens.shape != hidden.shape[:2] or tokens.is_floating_point():
             raise DraftBlockError(f"tokens must be (B, m) = {tuple(hidden.shape[:2])} integer ids, "
                                   f"got {tuple(tokens.shape)} {tokens.dtype}")
-        batch, rows = hidden.shape[:2]
+        rows = hidden.shape[1]
         past = 0 if cache is None else cache.get_seq_length()
-        shared = positions.shape == (rows,) and allowed.shape == (rows, past + rows)
-        if not shared and (positions.shape != (batch, rows)
-                           or allowed.shape != (batch, rows, past + rows)):
+        if positions.shape != (rows,) or allowed.shape != (rows, past + rows):
             raise DraftBlockError(f"positions must be ({rows},) and allowed ({rows}, "
-                                  f"{past + rows}) (shared by the rows), or ({batch}, {rows}) and "
-                                  f"({batch}, {rows}, {past + rows}) (per row), got "
-                                  f"{tuple(positions.shape)} and {tuple(allowed.shape)}")
+                                  f"{past + rows}), got {tuple(positions.shape)} and "
+                                  f"{tuple(allowed.shape)}")
         x = self.fused_input(hidden, tokens)
-        position_ids = (positions[None] if shared else positions).to(x.device)  # (1 or B, m)
+        position_ids = positions[None].to(x.device)  # (1, m)
         angles = self.rotary(x, position_ids)
-        allowed = (allowed[None] if shared else allowed).to(x.device)  # (1 or B, m, P + m)
+        allowed = allowed[None].to(x.device)  # (1, m, P + m)
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         mask = mask.masked_fill(~allowed, torch.finfo(x.dtype).min)[:, None]
         for layer in self.layers:

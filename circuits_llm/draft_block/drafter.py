@@ -75,7 +75,7 @@ def draw_step(logits: Tensor, config: SamplingConfig, uniforms: Tensor | None,
               draft_tokens: Tensor | None, *, with_law: bool = False,
               given: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """One recursive step's draft for each row (``...``: () for one sequence, (B,) for a batch),
-    the step of :class:`BlockRoundProgram` and of the batch's ``PaddedBlockRows``.
+    the step of :class:`BlockRoundProgram` and of the batch's ``RaggedBlockRows``.
 
     Args:
         logits: (..., K) the block's logits over the draft vocabulary.
@@ -303,7 +303,7 @@ class BlockRoundProgram(AcceptProgram):
     def copying(self, component: Tensor | None, uniforms: Tensor | None) -> tuple[bool, Tensor]:
         """Whether this round drafts the copy's proposal (``component`` (n+1,) float64, the
         round's uniforms ``uniforms`` or ``None`` when greedy), and the proposal (k,) long
-        (shared with the batch's ``PaddedBlockRows``)."""
+        (shared with the batch's ``RaggedBlockRows``)."""
         if (component is None) != (self.lookup is None):
             raise DraftBlockError("a block round program built with a ContextLookup drafts with "
                                   "a copy component, and only then: pass one exactly when lookup "
@@ -342,7 +342,17 @@ class BlockRoundProgram(AcceptProgram):
                 if wants_laws else None
             finite, reachable = [], limit
             state = -1 if constraint is None else constraint.state
+            # greedy drafts the copy proposes need no logits (nothing reads them), and when the
+            # proposal fills the round no later step needs the block's output either
+            copied = count if copying and not wants_laws and constraint is None else 0
             for step in range(limit):
+                if step < copied:
+                    indices[step] = proposal[step]
+                    if copied < limit:  # a later draft reads the block's output
+                        token = proposal[step] if self.draft_tokens is None else \
+                            self.draft_tokens[proposal[step]]
+                        output = self.drafter.next_step(output, token[None])
+                    continue
                 logits = self.drafter.block.logits(output)[0]  # (K,)
                 finite.append(torch.isfinite(logits).all())
                 if constraint is not None:
@@ -365,7 +375,8 @@ class BlockRoundProgram(AcceptProgram):
                     output = self.drafter.next_step(output, token[None])
             tokens = indices if self.draft_tokens is None else self.draft_tokens[indices]
             block = torch.cat([c.to(tokens.device), tokens])[None]
-            head_ok = torch.stack(finite).all()
+            head_ok = torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool,
+                                                                           device=device)
             if component is not None and q is not None:
                 q = mixed_conditionals(q, indices, component.to(device))
             length = self.draft_length.decide(q, indices)

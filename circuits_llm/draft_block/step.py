@@ -34,6 +34,8 @@ size and scaled rotary angles). Training and the padded batch keep the Hugging F
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -275,14 +277,32 @@ class BlockStep:
         written to their slots of ``keys``/``values`` (1, H_kv, C, D), then attention over the
         first ``S = held`` slots (``None``: all ``C``) under ``allowed`` (r, S) bool (``None``:
         everything)."""
+        query, key, value = self._project(layer, x, angles)
+        attended = self._attend(layer.self_attn, query, key, value, keys, values, positions,
+                                allowed, held)
+        return self._finish(layer, x, attended)
+
+    def _project(self, layer: torch.nn.Module, x: Tensor, angles: tuple[Tensor, Tensor]
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """``x`` (1, r, d) -> its rotated queries (1, H, r, D), rotated keys and values
+        (1, H_kv, r, D)."""
         attention = layer.self_attn
         rows, size = x.shape[1], attention.head_dim
-        groups = self.heads // keys.shape[1]
         normed = layer.input_layernorm(x)
         query = attention.q_proj(normed).view(1, rows, self.heads, size).transpose(1, 2)
         key = attention.k_proj(normed).view(1, rows, -1, size).transpose(1, 2)
         value = attention.v_proj(normed).view(1, rows, -1, size).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, *angles)
+        return query, key, value
+
+    def _attend(self, attention: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                keys: Tensor, values: Tensor, positions: Tensor, allowed: Tensor | None,
+                held: int | None) -> Tensor:
+        """One sequence's attention: ``key``/``value`` (1, H_kv, r, D) written to the slots
+        ``positions`` (r,) of ``keys``/``values`` (1, H_kv, C, D), then ``query`` (1, H, r, D)
+        over the first ``held`` slots (``None``: all) under ``allowed`` -> (1, r, H * D)."""
+        rows, size = query.shape[2], query.shape[3]
+        groups = self.heads // keys.shape[1]
         keys.index_copy_(2, positions, key)
         values.index_copy_(2, positions, value)
         # the query heads of one key head as one group of rows: (1, H_kv, groups * r, D)
@@ -292,6 +312,57 @@ class BlockStep:
         attended_values = values if held is None else values[:, :, :held]
         attended = functional.scaled_dot_product_attention(
             grouped, attended_keys, attended_values, attn_mask=mask, scale=attention.scaling)
-        attended = attended.reshape(1, self.heads, rows, size).transpose(1, 2)
-        x = x + attention.o_proj(attended.reshape(1, rows, self.heads * size))
+        return attended.reshape(1, self.heads, rows, size).transpose(1, 2).reshape(
+            1, rows, self.heads * size)
+
+    @staticmethod
+    def _finish(layer: torch.nn.Module, x: Tensor, attended: Tensor) -> Tensor:
+        """The layer's output projection and MLP, both residual: (1, r, d) -> (1, r, d)."""
+        x = x + layer.self_attn.o_proj(attended)
         return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    # ------------------------------------------------------------------ many sequences at once
+    def batch(self, caches: Sequence[BlockKVCache], hidden: Sequence[Tensor],
+             tokens: Sequence[Tensor]) -> Tensor:
+        """Append row ``b``'s ``m_b`` positions to its own ``caches[b]``, every row in one call
+        (eager): ``hidden[b]`` (m_b, d) their features, ``tokens[b]`` (m_b,) long -> (B, d) each
+        row's output at its last new position.
+
+        A batch of sequences with caches of different lengths (a batch's rows,
+        :mod:`~circuits_llm.draft_block.batch`): the rows' new positions are concatenated, not
+        padded, so the fusion, projections, norms and MLP run once on ``sum m_b`` rows; each
+        row's attention runs on its own cache exactly as :meth:`__call__` runs it for that row
+        alone (its own positions, rotary angles and causal mask). So a row's outputs differ from
+        its own call's only by the rounding of a linear kernel given more rows."""
+        counts = [int(t.numel()) for t in tokens]
+        if not caches or len(hidden) != len(caches) or len(tokens) != len(caches) \
+                or min(counts) < 1:
+            raise DraftBlockError(f"a batch call takes one cache, (m, d) features and (m,) tokens "
+                                  f"per row, m >= 1; got {len(caches)} caches, {len(hidden)} "
+                                  f"features and token counts {counts}")
+        starts = [cache.length for cache in caches]
+        for cache, start, m in zip(caches, starts, counts, strict=True):
+            cache.reserve(start + m)
+        spans = [(cache.slots[start:start + m], None if m == 1 else
+                  cache.slots[None, :start + m] <= cache.slots[start:start + m, None])
+                 for cache, start, m in zip(caches, starts, counts, strict=True)]
+        with torch.no_grad():
+            angles = (torch.cat([c.cos[s:s + m] for c, s, m in zip(caches, starts, counts,
+                                                                     strict=True)])[None],
+                      torch.cat([c.sin[s:s + m] for c, s, m in zip(caches, starts, counts,
+                                                                     strict=True)])[None])
+            x = self.block.fused_input(torch.cat(list(hidden))[None].to(self.block.dtype),
+                                       torch.cat(list(tokens))[None])
+            offsets = [0, *itertools.accumulate(counts)]
+            for index, layer in enumerate(self.block.layers):
+                query, key, value = self._project(layer, x, angles)
+                attended = torch.cat([
+                    self._attend(layer.self_attn, query[:, :, lo:hi], key[:, :, lo:hi],
+                                 value[:, :, lo:hi], cache.keys[index], cache.values[index],
+                                 positions, allowed, start + hi - lo)
+                    for cache, (positions, allowed), start, lo, hi
+                    in zip(caches, spans, starts, offsets[:-1], offsets[1:], strict=True)], 1)
+                x = self._finish(layer, x, attended)
+        for cache, m in zip(caches, counts, strict=True):
+            cache.length += m
+        return x[0, torch.tensor(offsets[1:], device=x.device) - 1]
