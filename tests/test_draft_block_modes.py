@@ -65,6 +65,7 @@ from circuits_llm.draft_block import (
     DraftBlockError,
 )
 from circuits_llm.draft_block import batch as block_batch
+from circuits_llm.draft_block import drafter as drafter_module
 from circuits_llm.draft_block.drafter import BlockRoundProgram
 from circuits_llm.runtime.compiling import use_compiler
 
@@ -390,6 +391,46 @@ def test_sampled_generate_follows_the_law(mode: str) -> None:
     law = constrained_target_law(NextTokenLogits(WORDY), AUTOMATON, prompt, 3,  # type: ignore[arg-type]
                                  SAMPLING)
     assert law_p_value(*pooled(samples, law)) > 1e-3
+
+
+@pytest.mark.parametrize("lookup", [None, LOOKUP], ids=["plain", "copy"])
+def test_sampled_steps_cap_sampled_rounds_only_and_keep_the_law(
+        lookup: ContextLookup | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BlockDrafter(sampled_steps=1)`` on a block of 3 steps: greedy rounds still draft 3 (and
+    equal ``generate``), sampled rounds draft at most 1, and the sampled output follows the
+    target law (chi-square, 600 decodes); handing the accept test a wrong ``q`` (the drawn law
+    to the fourth power, renormalised) is caught (negative control)."""
+    block = perturbed_block(SMALL, steps=3, draft_vocab=[0, 2, 3], noise=0.3)
+    decoder = SpeculativeDecoder(SMALL, BlockDrafter(block, sampled_steps=1), lookup=lookup)
+    greedy = decoder.generate(PROMPT, 8, eos_token_id=())
+    assert greedy.tokens.tolist() == _generate(SMALL, PROMPT, 8)
+    assert max(r.drafted for r in greedy.rounds) == 3
+    law = target_law(NextTokenLogits(SMALL), PROMPT, 2, SAMPLING)  # type: ignore[arg-type]
+
+    def sampled(count: int) -> list[tuple[int, ...]]:
+        generator = torch.Generator().manual_seed(4)
+        out = []
+        for _ in range(count):
+            result = decoder.generate(PROMPT, 2, temperature=1.0, generator=generator,
+                                      eos_token_id=())
+            assert all(r.drafted <= 1 for r in result.rounds)
+            out.append(tuple(result.tokens.tolist()))
+        return out
+
+    assert law_p_value(*pooled(sampled(600), law)) > 1e-3
+    draw_step = drafter_module.draw_step
+
+    def wrong_q(*args: Any, **kwargs: Any) -> Any:
+        index, token, drawn = draw_step(*args, **kwargs)
+        if drawn is not None:
+            drawn = drawn ** 4 / (drawn ** 4).sum(-1, keepdim=True)
+        return index, token, drawn
+
+    monkeypatch.setattr(drafter_module, "draw_step", wrong_q)
+    assert law_p_value(*pooled(sampled(1000), law)) < 1e-3
+    for bad in (0, 4, True):
+        with pytest.raises(DraftBlockError, match=r"sampled_steps must be an int in 1\.\.3"):
+            BlockDrafter(block, sampled_steps=bad)
 
 
 # --------------------------------------------------------------------------- the decoder

@@ -386,7 +386,7 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
                             progress, shipped=shipped)
         log(_describe_head(ready, unit))
         heads.append(ready)
-    blocks = load_blocks(found_blocks, loaded)
+    blocks = load_blocks(found_blocks, loaded, precision)
     for block in blocks:
         log(describe_block(block, unit))
     model = loaded.model

@@ -23,6 +23,7 @@ from typing import Any
 from circuits_llm.app.head_cache import HeadOrigin, find_shipped_drafter
 from circuits_llm.app.rows import TokenUnit
 from circuits_llm.app.shipping import ShippedDrafter, load_shipped_drafter
+from circuits_llm.app.verify_packing import Precision
 from circuits_llm.heads.shipped import BLOCK_FILES, ShippedHead, ShippedHeadError, ShippedLayout
 
 __all__ = ["ReadyBlock", "block_decoders", "block_window", "describe_block", "find_blocks",
@@ -90,11 +91,14 @@ def _record(shipped: ShippedHead, parameters: int, fingerprint: str) -> dict[str
             "circuit_head": shipped.manifest.get("head")}
 
 
-def load_blocks(found: Sequence[ShippedHead], loaded: Any) -> list[ReadyBlock]:
-    """Each shipped block of ``found`` verified and loaded on ``loaded``'s model."""
+def load_blocks(found: Sequence[ShippedHead], loaded: Any, precision: Precision | None = None
+                ) -> list[ReadyBlock]:
+    """Each shipped block of ``found`` verified and loaded on ``loaded``'s model (a recursive one
+    drafting as deep as :func:`~circuits_llm.app.verify_packing.recursive_depths` says for the
+    resolved ``precision`` the decoders run in)."""
     ready = []
     for shipped in found:
-        drafter = load_shipped_drafter(shipped, loaded.model)
+        drafter = load_shipped_drafter(shipped, loaded.model, precision=precision)
         record = _record(shipped, int(shipped.manifest["parameters"]), loaded.fingerprint)
         record["window"] = drafter.window  # the verify block its rounds run
         ready.append(ReadyBlock(shipped.kind, drafter, record))

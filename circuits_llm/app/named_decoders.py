@@ -46,12 +46,13 @@ AUTOREGRESSIVE_NAMES = ("ar", "none")
 
 
 def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int | None = None,
-                  weights: DraftWeights = DraftWeights.AUTO
+                  weights: DraftWeights = DraftWeights.AUTO, precision: Precision | None = None
                   ) -> tuple[ShippedDrafter, str] | None:
     """The draft block ``--head`` names, as the drafter the decoder takes, and where it came
     from; None when ``head`` names no block (a head kind, ``ar``, a head's directory). A
-    recursive block drafts ``steps`` a round (``None``: its shipped or trained depth); the
-    drafter holds the block's projections as ``weights`` says.
+    recursive block drafts ``steps`` a round (``None``: its shipped or trained depth, a shipped
+    one's as :func:`~circuits_llm.app.verify_packing.recursive_depths` sets it for the resolved
+    ``precision``); the drafter holds the block's projections as ``weights`` says.
 
     Raises:
         NoHeadError: a block kind that no shipped block of the model has.
@@ -69,7 +70,7 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int 
         found = find_shipped_drafter(loaded, head.lower())
         if found is None:
             raise NoHeadError(no_drafter_message(head.lower(), model_name))
-        return load_shipped_drafter(found, loaded.model, steps, weights), \
+        return load_shipped_drafter(found, loaded.model, steps, weights, precision), \
             f"shipped {found.kind} {found.name}"
     if (path / SHIPPED_MANIFEST).is_file():
         shipped = read_shipped_head(path)
@@ -187,7 +188,7 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                             "--head other than ar, or leave --lookup out")
         model = _model_for(loaded, chosen, False, 1)
         return AutoregressiveDecoder(HFBackbone(model, compile=compile)), "autoregressive"
-    found = block_drafter(head, loaded, model_name, draft_steps, draft_weights)
+    found = block_drafter(head, loaded, model_name, draft_steps, draft_weights, chosen)
     drafter: Any
     if found is None and draft_steps is not None:
         raise DemoError(f"--draft-steps sets a recursive draft block's depth; --head {head} is "
@@ -204,7 +205,8 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
         model = _model_for(loaded, chosen, packed, drafter.window)
         rows = chunk_rows(model)
         if batch_depth is not None and rows is not None:  # bfloat16: each verify in one call
-            batch_depth = BatchDepth.within(rows, drafter.window - 1)
+            batch_depth = BatchDepth.within(rows, getattr(drafter, "sampled_steps", None)
+                                            or drafter.window - 1)
         if batch_depth is not None and hasattr(drafter, "batch_depth"):  # a recursive block
             drafter.batch_depth = batch_depth
             where += f"; in a batch {batch_depth.describe()}"

@@ -32,6 +32,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from circuits_llm.app.verify_packing import Precision, recursive_depths
 from circuits_llm.draft_block import (
     BlockCircuitDrafter,
     BlockDrafter,
@@ -284,12 +285,16 @@ def ship_run(run_dir: Path, out: Path, model_name: str, *, circuit_head: Path | 
 # ---------------------------------------------------------------------------- reading
 def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
                          steps: int | None = None,
-                         weights: DraftWeights = DraftWeights.AUTO) -> ShippedDrafter:
+                         weights: DraftWeights = DraftWeights.AUTO,
+                         precision: Precision | None = None) -> ShippedDrafter:
     """The drafter of a shipped ``block`` or ``block_head`` directory, on ``model`` (the model
     it was trained for; its device), every file verified first.
 
     A recursive block drafts ``steps`` per round (``None``: the manifest's ``draft_steps``, the
-    depth measured fastest when it was shipped, else the block's trained depth). The drafter
+    depth measured fastest when it was shipped, else the block's trained depth; with the resolved
+    ``precision`` the decoders run in, that depth as
+    :func:`~circuits_llm.app.verify_packing.recursive_depths` sets it for greedy and sampled
+    rounds). The drafter
     holds the block's projections as ``weights`` says
     (:class:`~circuits_llm.draft_block.weights.DraftWeights`).
 
@@ -308,9 +313,13 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
         raise ShippedHeadError(f"the shipped draft block {shipped.name} cannot be loaded "
                                f"({error}); reinstall circuits-llm") from None
     if shipped.layout is ShippedLayout.BLOCK:
+        sampled = None
+        if steps is None:
+            steps = shipped.manifest.get("draft_steps") or block.steps
+            if precision is not None:
+                steps, sampled = recursive_depths(precision, int(steps))
         try:
-            return BlockDrafter(block, shipped.manifest.get("draft_steps") if steps is None
-                                else steps, weights=weights)
+            return BlockDrafter(block, steps, weights=weights, sampled_steps=sampled)
         except DraftBlockError as error:
             raise ShippedHeadError(str(error)) from None
     if steps is not None:

@@ -337,7 +337,9 @@ class RaggedBlockRows:
         block, config, window = self.block, program.config, program.window
         ids, device, batch = block.draft_tokens, c.device, len(rows)
         drafts = window - 1
-        depth = self.drafts(batch, window)  # drawn this round; the rest stay zeros, unverified
+        # drawn this round (the rest stay zeros, unverified): the batch's depth, within the cap
+        # of a sampled round
+        depth = min(self.drafts(batch, window), program.depth_cap)
         given = torch.zeros(batch, drafts, dtype=torch.bool, device=device)
         proposals = torch.zeros(batch, drafts, dtype=torch.long, device=device)
         for b in range(batch if components is not None else 0):
