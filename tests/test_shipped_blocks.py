@@ -30,6 +30,7 @@ from circuits_llm.app.commands import comparison_config
 from circuits_llm.app.demo import DemoError
 from circuits_llm.app.demo_blocks import block_decoders, block_window, find_blocks, load_blocks
 from circuits_llm.app.shipping import ship_block, write_shipped_block
+from circuits_llm.app.verify_packing import FLAT_VERIFY_GREEDY_STEPS, Precision, recursive_depths
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.draft_block import BatchDepth, BlockCircuitDrafter, BlockDrafter, save_draft_block
 from circuits_llm.draft_block.io import BLOCK_CONFIG_FILE, BLOCK_TENSORS_FILE
@@ -123,6 +124,30 @@ def test_shipped_drafters_decode_greedy_as_the_model(toy: dict, kind: str,
     for prompt in PROMPTS:
         result = decoder.generate(torch.tensor(prompt), 10, eos_token_id=())
         assert result.tokens.tolist() == _plain(model, prompt, 10)
+
+
+def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -> None:
+    """``recursive_depths``: in bfloat16 the shipped block drafts 9 a greedy round and at most its
+    shipped depth (3 here) a sampled one; in float32 (or without a precision) the shipped depth
+    for both; a depth asked for explicitly is kept as given; a circuit on a block is untouched."""
+    shipped = hc.find_shipped_drafter(toy["model"], "block", toy["root"])
+    assert shipped is not None
+    load = shipping_module.load_shipped_drafter
+    deep = load(shipped, toy["model"], precision=Precision.BFLOAT16)
+    assert (deep.window, deep.sampled_steps) == (FLAT_VERIFY_GREEDY_STEPS + 1, 3)
+    for precision in (Precision.FLOAT32, None):
+        plain = load(shipped, toy["model"], precision=precision)
+        assert (plain.window, plain.sampled_steps) == (4, None)
+    given = load(shipped, toy["model"], 2, precision=Precision.BFLOAT16)
+    assert (given.window, given.sampled_steps) == (3, None)
+    assert recursive_depths(Precision.BFLOAT16, 12) == (12, None)
+    decoder = SpeculativeDecoder(toy["model"], deep)
+    for prompt in PROMPTS:
+        result = decoder.generate(torch.tensor(prompt), 10, eos_token_id=())
+        assert result.tokens.tolist() == _plain(toy["model"], prompt, 10)
+        sampled = decoder.generate(torch.tensor(prompt), 10, temperature=1.0, eos_token_id=(),
+                                   generator=torch.Generator().manual_seed(1))
+        assert max(r.drafted for r in sampled.rounds) <= 3
 
 
 @pytest.mark.parametrize("damaged", [*ShippedLayout.BLOCK_HEAD.files, "shipped.json"])
