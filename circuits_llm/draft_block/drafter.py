@@ -277,8 +277,7 @@ class BlockRoundProgram(AcceptProgram):
         :class:`~circuits_llm.draft_block.batch.BatchDepth`, fixed before the round's draws, so
         ``L`` stays a stopping time): ``L`` is at most ``depth``; the rows of ``q`` and the
         tokens after it are zeros, never verified (as after a constraint's dead end)."""
-        return self._recurse(hidden, c, uniforms, None, component,
-                             self.depth_cap if depth is None else min(depth, self.depth_cap))
+        return self._recurse(hidden, c, uniforms, None, component, depth)
 
     def constrained_draft(self, hidden: Tensor, c: Tensor, uniforms: Tensor | None,
                           constraint: ConstraintTracker, component: Tensor | None = None
@@ -292,7 +291,7 @@ class BlockRoundProgram(AcceptProgram):
         round). ``q``'s row ``i`` is exactly the restricted law ``d_i`` was drawn from (with a
         ``lookup``: that law mixed with the copy ``component``, cut where the constraint forbids
         it)."""
-        return self._recurse(hidden, c, uniforms, constraint, component, self.depth_cap)
+        return self._recurse(hidden, c, uniforms, constraint, component)
 
     def _allowed(self, constraint: ConstraintTracker, state: int) -> Tensor:
         """(K,) bool: the draft-vocabulary tokens the automaton allows in ``state``."""
@@ -351,7 +350,7 @@ class BlockRoundProgram(AcceptProgram):
                                   or not 1 <= depth <= drafts):
             raise DraftBlockError(f"depth must be an int in 1..{drafts} (the drafts a round "
                                   f"draws), got {depth!r}")
-        limit = drafts if depth is None else depth
+        limit = min(drafts if depth is None else depth, self.depth_cap)
         wants_laws = not greedy or self.draft_length.needs_conditionals
         with torch.no_grad():
             output = self.drafter.first_step(hidden, c)  # once a round, whatever follows
