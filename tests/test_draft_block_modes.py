@@ -397,9 +397,10 @@ def test_sampled_generate_follows_the_law(mode: str) -> None:
 def test_sampled_steps_cap_sampled_rounds_only_and_keep_the_law(
         lookup: ContextLookup | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """``BlockDrafter(sampled_steps=1)`` on a block of 3 steps: greedy rounds still draft 3 (and
-    equal ``generate``), sampled rounds draft at most 1, and the sampled output follows the
-    target law (chi-square, 600 decodes); handing the accept test a wrong ``q`` (the drawn law
-    to the fourth power, renormalised) is caught (negative control)."""
+    equal ``generate``), sampled rounds draft at most 1 and are, draw for draw, the rounds of a
+    1-step drafter on the same block, and the sampled output follows the target law
+    (chi-square, 600 decodes); handing the accept test a wrong ``q`` (the drawn law to the fourth
+    power, renormalised) is caught (negative control)."""
     block = perturbed_block(SMALL, steps=3, draft_vocab=[0, 2, 3], noise=0.3)
     decoder = SpeculativeDecoder(SMALL, BlockDrafter(block, sampled_steps=1), lookup=lookup)
     greedy = decoder.generate(PROMPT, 8, eos_token_id=())
@@ -418,6 +419,12 @@ def test_sampled_steps_cap_sampled_rounds_only_and_keep_the_law(
         return out
 
     assert law_p_value(*pooled(sampled(600), law)) > 1e-3
+    shallow = SpeculativeDecoder(SMALL, BlockDrafter(block, steps=1), lookup=lookup)
+    for seed in range(5):  # a sampled round is a round of the 1-step drafter, draw for draw
+        outputs = [d.generate(PROMPT, 6, temperature=1.0, eos_token_id=(),
+                              generator=torch.Generator().manual_seed(seed)).tokens.tolist()
+                   for d in (decoder, shallow)]
+        assert outputs[0] == outputs[1]
     draw_step = drafter_module.draw_step
 
     def wrong_q(*args: Any, **kwargs: Any) -> Any:

@@ -290,8 +290,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                 tracker: ConstraintTracker | None = None) -> DecodeResult:
         """The decode loop, with the output indexed for the copy component when ``lookup`` and a
         fresh depth tracker with a ``draft_depth`` (kept in :attr:`depths` after the decode)."""
-        if self.draft_depth is not None:
-            self.depths = self.draft_depth.start(self.lookahead)
+        if self.draft_depth is not None:  # as deep as this configuration's rounds draft
+            self.depths = self.draft_depth.start(self._program(config).window - 1)
         if self.lookup is None:
             return super()._decode(prompt, stop, config, generator, tracker)
         self._index = LookupIndex(self.lookup.max_ngram, prompt)

@@ -337,9 +337,7 @@ class RaggedBlockRows:
         block, config, window = self.block, program.config, program.window
         ids, device, batch = block.draft_tokens, c.device, len(rows)
         drafts = window - 1
-        # drawn this round (the rest stay zeros, unverified): the batch's depth, within the cap
-        # of a sampled round
-        depth = min(self.drafts(batch, window), program.depth_cap)
+        depth = self.drafts(batch, window)  # drawn this round; the rest stay zeros, unverified
         given = torch.zeros(batch, drafts, dtype=torch.bool, device=device)
         proposals = torch.zeros(batch, drafts, dtype=torch.long, device=device)
         for b in range(batch if components is not None else 0):

@@ -131,8 +131,9 @@ class BlockDrafter(BlockCacheFollower):
         batch_depth: in a batch of prompts, the recursion's depth by the number of rows drafting
             (:class:`~circuits_llm.draft_block.batch_depth.BatchDepth`; ``None``: ``k`` always).
             One prompt alone always drafts ``k``.
-        sampled_steps: at most this many drafts in a sampled round (``None``: ``k``). Greedy
-            rounds draft ``k``: the drafts the context copy proposes cost no readout there and
+        sampled_steps: the drafts of a sampled round (``None``: ``k``): its round program is a
+            window of ``sampled_steps + 1``, so its rounds are those of a drafter of that depth.
+            Greedy rounds draft ``k``: the drafts the context copy proposes cost no readout there and
             are accepted in long runs where the text repeats, while a sampled draft costs a
             readout and its draw, and past the trained depth is rarely accepted (journal section
             17: on a verify that costs one token for up to 32, 9 drafts greedy and 5 sampled
@@ -227,13 +228,15 @@ class BlockRoundProgram(AcceptProgram):
         rule = DraftLength.fixed() if draft_length is None else draft_length
         if not isinstance(rule, DraftLength):
             raise DraftBlockError(f"draft_length must be a DraftLength, got {draft_length!r}")
+        # a sampled round drafts at most the drafter's sampled_steps: its program is that window
+        window = drafter.window if config.greedy or drafter.sampled_steps is None \
+            else drafter.sampled_steps + 1
         try:
-            rule.check(drafter.window)
+            rule.check(window)
         except DecoderError as error:
             raise DraftBlockError(str(error)) from error
-        label = f"draft block, window {drafter.window}, " \
-                f"{'greedy' if config.greedy else 'sampling'}"
-        super().__init__(config, drafter.window, drafter.vocab_size, drafter.draft_tokens,
+        label = f"draft block, window {window}, {'greedy' if config.greedy else 'sampling'}"
+        super().__init__(config, window, drafter.vocab_size, drafter.draft_tokens,
                          drafter.device, compile=compile, compiler=compiler, label=label)
         if lookup is not None and not isinstance(lookup, ContextLookup):
             raise DraftBlockError(f"lookup must be None or a ContextLookup, got {lookup!r}")
@@ -242,13 +245,8 @@ class BlockRoundProgram(AcceptProgram):
             drafter.compile_steps(compiler)
         self.lookup = lookup
         self.draft_length = rule
-        #: the most drafts a round of this configuration draws (the drafter's ``sampled_steps``
-        #: when sampling, else ``k``)
-        self.depth_cap = self.window - 1 if config.greedy or drafter.sampled_steps is None \
-            else drafter.sampled_steps
-        static = rule.static_length(self.window)
         #: the number of drafts every round verifies, when the rule fixes it (else None)
-        self.static_length = None if static is None else min(static, self.depth_cap)
+        self.static_length = rule.static_length(self.window)
         self.tape_length = self.window - 1
 
     def draw_uniforms(self, generator: torch.Generator | None) -> Tensor:
@@ -350,7 +348,7 @@ class BlockRoundProgram(AcceptProgram):
                                   or not 1 <= depth <= drafts):
             raise DraftBlockError(f"depth must be an int in 1..{drafts} (the drafts a round "
                                   f"draws), got {depth!r}")
-        limit = min(drafts if depth is None else depth, self.depth_cap)
+        limit = drafts if depth is None else depth
         wants_laws = not greedy or self.draft_length.needs_conditionals
         with torch.no_grad():
             output = self.drafter.first_step(hidden, c)  # once a round, whatever follows
