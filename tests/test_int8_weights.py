@@ -17,7 +17,7 @@ from circuits_llm.draft_block import (
     DraftWeights,
 )
 from circuits_llm.draft_block.weights import drafting_block, int8_block
-from circuits_llm.runtime.int8_linear import Int8Linear, int8_rows
+from circuits_llm.runtime.int8_linear import WIDE_ROWS, Int8Linear, int8_rows, native_bfloat16
 
 MODEL = tiny_llama(vocab=48)
 
@@ -56,6 +56,33 @@ def test_int8_linear_matches_its_dequantised_weight(width: int) -> None:
                                rtol=0, atol=float(linear.weight.detach().abs().max()) / 127)
     with pytest.raises(ValueError, match=rf"inputs \(\.\.\., {width}\)"):
         layer(torch.zeros(2, width + 1, dtype=torch.float64))
+
+
+def test_wide_calls_multiply_by_bfloat16_codes_where_bfloat16_is_native(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From ``WIDE_ROWS`` rows a packed-width call multiplies by the codes in bfloat16 (where
+    oneDNN computes bfloat16 natively), fewer rows by the packed int8 kernel: both apply the same
+    weight, and the bfloat16 codes are kept out of the state dict."""
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 24, bias=False)
+    layer = Int8Linear.from_linear(linear)
+    calls = {"packed": 0}
+    packed = torch._weight_int8pack_mm
+
+    def counted(*args: object) -> torch.Tensor:
+        calls["packed"] += 1
+        return packed(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", counted)
+    for rows in range(1, WIDE_ROWS + 3):
+        x = torch.randn(rows, 32)
+        before = calls["packed"]
+        out = layer(x)
+        reference = nn.functional.linear(x, layer.dequantized(torch.float32))
+        torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
+        wide = rows >= WIDE_ROWS and native_bfloat16(x.device)
+        assert calls["packed"] - before == (0 if wide else 1)
+    assert set(layer.state_dict()) == {"codes", "scales", "packed_scales"}
 
 
 def test_int8_linear_refuses_malformed_parts() -> None:

@@ -48,9 +48,8 @@ class Precision(Enum):
             return self
         if compile:
             return Precision.FLOAT32
-        native = device.type == "cpu" and torch.backends.mkldnn.is_available() and \
-            bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return Precision.BFLOAT16 if native else Precision.FLOAT32
+        from circuits_llm.runtime.int8_linear import native_bfloat16
+        return Precision.BFLOAT16 if native_bfloat16(device) else Precision.FLOAT32
 
 
 #: a recursive block's drafts in a greedy round where a verify block of up to 32 tokens costs one
