@@ -145,14 +145,21 @@ def batch_prompts(loaded: Any, count: int, length: int) -> list[list[int]]:
     return [p[:length - (7 * b) % max(1, length // 4)].tolist() for b, p in enumerate(prompts)]
 
 
-def load_head(config: BatchBenchConfig, loaded: Any, device: torch.device) -> Any:
-    """The run's head: a trained draft block's recursive drafter (``config.block``), the shipped
-    ``config.head`` for the model, or a random BTree head."""
+def load_head(config: BatchBenchConfig, loaded: Any, device: torch.device,
+              precision: Precision = Precision.FLOAT32) -> Any:
+    """The run's head: a trained draft block's recursive drafter (``config.block``; a shipped one
+    as deep as ``generate`` loads it in the resolved ``precision``), the shipped ``config.head``
+    for the model, or a random BTree head."""
     if config.block is not None:
         from circuits_llm.heads.shipped import is_block_kind
         if is_block_kind(config.block) and not Path(config.block).is_dir():
-            from circuits_llm import shipped_drafter
-            return shipped_drafter(loaded, config.block, steps=config.block_steps)
+            from circuits_llm.app.head_cache import find_shipped_drafter
+            from circuits_llm.app.shipping import load_shipped_drafter
+            found = find_shipped_drafter(loaded, config.block)
+            if found is None:
+                raise SystemExit(f"--block {config.block}: none ships for {config.model}")
+            return load_shipped_drafter(found, loaded.model, config.block_steps,
+                                        precision=precision)
         from circuits_llm.draft_block import BlockDrafter
         from circuits_llm.training.block_trainer import load_trained_block
         return BlockDrafter(load_trained_block(config.block, loaded.model).to(device),
@@ -280,16 +287,16 @@ def run_benchmark(config: BatchBenchConfig, log: Callable[[str], None] = print) 
     config = dataclasses.replace(config, device=str(device))
     loaded = load_model(config.model, device)
     model = loaded.model
-    head = load_head(config, loaded, device)
-    linear = "torch's default linear kernels"
     precision = Precision(config.precision).resolve(device)
     config = dataclasses.replace(config, precision=precision.value)
+    head = load_head(config, loaded, device, precision)
+    linear = "torch's default linear kernels"
     if precision is Precision.BFLOAT16:  # a copy: the drafters keep the parts they share
         model, linear = decode_model(model, precision, head.window, device)
         rows = chunk_rows(model)
         if config.block_steps is None and hasattr(head, "batch_depth") and rows is not None:
             # as generate --prompts-file drafts: every row's verify block within one call
-            head.batch_depth = BatchDepth.within(rows, head.window - 1)
+            head.batch_depth = BatchDepth.within(rows, head.batch_most)
             linear += f"; the block drafts {head.batch_depth.describe()}"
     elif config.packed_linear:
         linear = decode_model(model, precision, head.window, device)[1]

@@ -135,9 +135,10 @@ def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -
     load = shipping_module.load_shipped_drafter
     deep = load(shipped, toy["model"], precision=Precision.BFLOAT16)
     assert (deep.window, deep.sampled_steps) == (FLAT_VERIFY_GREEDY_STEPS + 1, 3)
+    assert deep.batch_most == 3  # a batch drafts at most the shipped depth
     for precision in (Precision.FLOAT32, None):
         plain = load(shipped, toy["model"], precision=precision)
-        assert (plain.window, plain.sampled_steps) == (4, None)
+        assert (plain.window, plain.sampled_steps, plain.batch_most) == (4, None, 3)
     given = load(shipped, toy["model"], 2, precision=Precision.BFLOAT16)
     assert (given.window, given.sampled_steps) == (3, None)
     assert recursive_depths(Precision.BFLOAT16, 12) == (12, None)

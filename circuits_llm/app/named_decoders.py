@@ -205,8 +205,8 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
         model = _model_for(loaded, chosen, packed, drafter.window)
         rows = chunk_rows(model)
         if batch_depth is not None and rows is not None:  # bfloat16: each verify in one call
-            batch_depth = BatchDepth.within(rows, getattr(drafter, "sampled_steps", None)
-                                            or drafter.window - 1)
+            batch_depth = BatchDepth.within(rows, getattr(drafter, "batch_most",
+                                                          drafter.window - 1))
         if batch_depth is not None and hasattr(drafter, "batch_depth"):  # a recursive block
             drafter.batch_depth = batch_depth
             where += f"; in a batch {batch_depth.describe()}"
