@@ -287,6 +287,8 @@ def test_batch_depth_within_a_call_of_the_chunk() -> None:
     from circuits_llm.draft_block.block import DraftBlockError
     rule = BatchDepth.within(32, 5)
     assert [rule.drafts(batch, 5) for batch in range(1, 13)] == [5, 5, 5, 5, 5, 4, 3, 3, 2, 2, 1, 1]
+    # a drafter deeper than ``most`` (9 greedy drafts, 5 sampled) still drafts at most 5 in a batch
+    assert [rule.drafts(batch, 9) for batch in range(1, 13)] == [5, 5, 5, 5, 5, 4, 3, 3, 2, 2, 1, 1]
     for rows in range(1, 65):
         for batch in range(1, 70):
             drafts = BatchDepth.within(rows, 7).drafts(batch, 7)

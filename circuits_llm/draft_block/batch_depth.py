@@ -79,12 +79,12 @@ class BatchDepth:
         if rows < 1 or most < 1:
             raise DraftBlockError(f"BatchDepth.within takes rows >= 1 and most >= 1, got {rows}, "
                                   f"{most}")
-        steps: list[tuple[int, int]] = []
-        for batch in range(1, rows + 1):
+        steps: list[tuple[int, int]] = [(1, min(most, max(1, rows - 1)))]  # a drafter's k may
+        for batch in range(2, rows + 1):                                     # be deeper than most
             drafts = max(1, min(most, rows // batch - 1))
-            if drafts < (steps[-1][1] if steps else most):
+            if drafts < steps[-1][1]:
                 steps.append((batch, drafts))
-        return cls(tuple(steps) if steps else ((rows + 1, most),))
+        return cls(tuple(steps))
 
     def describe(self) -> str:
         """E.g. ``"2 drafts from 4 rows"``."""
