@@ -29,7 +29,9 @@ So drafting runs the same layers here over a cache of its own:
 The step computes exactly what :meth:`~circuits_llm.draft_block.block.DraftBlock.forward` computes
 on the same positions, up to float rounding (``tests/test_block_step.py`` checks it in float64
 against the Hugging Face layers, eager and compiled, with biases, grouped heads, an explicit head
-size and scaled rotary angles). Training and the padded batch keep the Hugging Face path.
+size and scaled rotary angles). Training keeps the Hugging Face path. A batch of sequences runs
+through :meth:`BlockStep.batch`: the rows' new positions through the row-wise layers together,
+each row's attention over its own cache.
 """
 
 from __future__ import annotations
