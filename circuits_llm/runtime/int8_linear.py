@@ -27,6 +27,8 @@ Outputs come back in the input's dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -43,7 +45,13 @@ WIDE_ROWS = 6
 def native_bfloat16(device: torch.device) -> bool:
     """Whether ``device`` is a CPU whose oneDNN kernels compute bfloat16 natively (AVX512-BF16 or
     AMX), where a bfloat16 product of up to 32 rows costs about one row's."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and \
+    return device.type == "cpu" and _cpu_bfloat16_native()
+
+
+@functools.cache
+def _cpu_bfloat16_native() -> bool:
+    """The CPU's answer, asked once (every wide int8 call reads it)."""
+    return torch.backends.mkldnn.is_available() and \
         bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
