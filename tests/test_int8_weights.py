@@ -85,6 +85,18 @@ def test_wide_calls_multiply_by_bfloat16_codes_where_bfloat16_is_native(
     assert set(layer.state_dict()) == {"codes", "scales", "packed_scales"}
 
 
+@pytest.mark.parametrize("rows", [1, WIDE_ROWS])
+def test_int8_linear_compiles_whole_graph_on_either_side_of_wide_rows(rows: int) -> None:
+    """A compiled draft-block step (``BlockStepMode.COMPILED`` on a CPU, first steps of up to
+    ``window + 1`` rows) traces the layer: the CPU's bfloat16 answer must read as a constant, not
+    break the graph (a cached probe once did), and the traced call gives the eager one's output."""
+    torch.manual_seed(rows)
+    layer = Int8Linear.from_linear(nn.Linear(32, 24, bias=True))
+    x = torch.randn(rows, 32)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+
+
 def test_int8_linear_refuses_malformed_parts() -> None:
     with pytest.raises(ValueError, match="int8"):
         Int8Linear(torch.zeros(2, 3), torch.ones(2), None)

@@ -48,9 +48,15 @@ def native_bfloat16(device: torch.device) -> bool:
     return device.type == "cpu" and _cpu_bfloat16_native()
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # a compiled block step reads it as a constant
 def _cpu_bfloat16_native() -> bool:
-    """The CPU's answer, asked once (every wide int8 call reads it)."""
+    """The CPU's answer (every wide int8 call reads it)."""
+    return _ask_cpu_bfloat16()
+
+
+@functools.cache
+def _ask_cpu_bfloat16() -> bool:
+    """Asked once: oneDNN's own probe of the CPU."""
     return torch.backends.mkldnn.is_available() and \
         bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
