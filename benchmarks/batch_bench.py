@@ -51,7 +51,7 @@ from torch import Tensor
 
 from circuits_llm.app.verify_packing import Precision, decode_model
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.backbone.row_invariant import chunk_rows
+from circuits_llm.backbone.row_invariant import priced_rows
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup
@@ -293,9 +293,9 @@ def run_benchmark(config: BatchBenchConfig, log: Callable[[str], None] = print) 
     linear = "torch's default linear kernels"
     if precision is Precision.BFLOAT16:  # a copy: the drafters keep the parts they share
         model, linear = decode_model(model, precision, head.window, device)
-        rows = chunk_rows(model)
+        rows = priced_rows(model)
         if config.block_steps is None and hasattr(head, "batch_depth") and rows is not None:
-            # as generate --prompts-file drafts: every row's verify block within one call
+            # as generate --prompts-file drafts: verify calls sized by their price
             head.batch_depth = BatchDepth.within(rows, head.batch_most)
             linear += f"; the block drafts {head.batch_depth.describe()}"
     elif config.packed_linear:

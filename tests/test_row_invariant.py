@@ -33,9 +33,12 @@ from circuits_llm.backbone.row_invariant import (
     RowInvarianceError,
     RowInvariantConv1D,
     RowInvariantLinear,
+    _chunked,
     chunk_rows,
+    invariant_chunk,
     invariant_rows,
     make_row_invariant,
+    priced_rows,
 )
 from circuits_llm.decoding.autoregressive import AutoregressiveDecoder
 from circuits_llm.decoding.decoder import SpeculativeDecoder
@@ -209,6 +212,68 @@ def test_probe_finds_where_rows_start_to_depend_on_each_other() -> None:
     assert 1 <= invariant_rows([Conv1D(6, 8).double()], most=12, generator=generator) <= 12
 
 
+class _LoneRowDiffers(_RowByRow):
+    """A kernel that rounds a lone row differently (a one-row path, as oneDNN's bfloat16 kernel
+    has on an AMD EPYC), and computes 2 or more rows alike."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + 1e-9 if x.shape[0] == 1 else out
+
+
+class _RarelyDependent(_RowByRow):
+    """A kernel whose bits change in calls of ``limit + 1`` to ``limit + 3`` rows, and then only
+    for rows whose first input exceeds 1.5 (about 7% of normal rows): a probe of one chunk per
+    count can miss it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if not self.limit < x.shape[0] <= self.limit + 3:
+            return out
+        return out + 1e-9 * (x[:, :1] > 1.5)
+
+
+def test_probe_pads_calls_where_a_lone_row_takes_another_kernel() -> None:
+    """A lone row that rounds differently leaves 1 row a call; padded to 2, every count agrees,
+    and :func:`invariant_chunk` takes that; a kernel whose rows agree from one row on keeps 1."""
+    generator = torch.Generator().manual_seed(5)
+    assert invariant_rows([_LoneRowDiffers()], most=24, generator=generator) == 1
+    assert invariant_rows([_LoneRowDiffers()], most=24, generator=generator, least=2) == 24
+    assert invariant_chunk([_LoneRowDiffers()], most=24, generator=generator) == (2, 24)
+    assert invariant_chunk([_RowByRow(), _CountDependent(9)], most=24,
+                           generator=generator) == (1, 9)
+    # none reaches 8 rows: the widest range, the smaller least on a tie
+    assert invariant_chunk([_CountDependent(3)], most=24, generator=generator) == (1, 3)
+    assert invariant_chunk([_CountDependent(3), _LoneRowDiffers()], most=24,
+                           generator=generator) == (2, 3)
+    # rare changes are found: every count compares all the probe's rows
+    # (this seed's first 9 probe rows never trigger it: a probe of one chunk per count misses it)
+    assert invariant_rows([_RarelyDependent(6)], most=48,
+                          generator=torch.Generator().manual_seed(2)) == 6
+
+
+def test_padded_chunks_give_every_row_its_padded_lone_bits() -> None:
+    """With ``least = 2`` a one-row call and a short last chunk are padded, and every row gets
+    what a padded call of it alone gives, while a plain call of one row (the other kernel) does
+    not (negative control)."""
+    layer = _LoneRowDiffers()
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    alone = torch.cat([layer(x[i:i + 1].expand(2, -1))[:1] for i in range(7)])
+    with torch.no_grad():
+        for count in range(1, 8):  # chunks of 2-3 rows: 1 -> (1+1), 4 -> 3 + (1+1), 7 -> ...
+            assert torch.equal(_chunked(layer, x[:count], 3, 4, least=2), alone[:count])
+        assert torch.equal(_chunked(layer, x[None, :5], 3, 4, least=2), alone[None, :5])
+        assert not torch.equal(layer(x[:1]), alone[:1])
+        chunked = RowInvariantLinear(nn.Linear(8, 4, dtype=torch.float64), 3, least=2)
+        assert torch.allclose(chunked(x), F.linear(x, chunked.weight, chunked.bias), rtol=0,
+                              atol=1e-14)
+    assert "least=2" in repr(chunked)
+
+
 def test_chunked_layers_share_parameters_and_equal_the_plain_ones() -> None:
     generator = torch.Generator().manual_seed(6)
     linear = nn.Linear(8, 5, dtype=torch.float64)
@@ -228,7 +293,8 @@ def test_make_row_invariant_reports_what_it_did() -> None:
     model = _llama()
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     done = make_row_invariant(model, torch.bfloat16)
-    assert done.dtype == torch.bfloat16 and done.rows >= 1
+    assert done.dtype == torch.bfloat16 and 1 <= done.least <= done.rows
+    assert all(m.least == done.least for m in model.modules() if hasattr(m, "least"))
     assert done.linear_layers == 2 * 7 + 1  # q k v o gate up down per layer, the LM head
     assert all(type(m) is not nn.Linear for m in model.modules())
     assert tied == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
@@ -281,23 +347,47 @@ def test_comparison_sees_a_kernel_that_depends_on_the_row_count() -> None:
     assert not torch.equal(_logits(model, ids, 20, [10]), _logits(model, ids, 20, [1] * 10))
 
 
-def test_batch_depth_within_a_call_of_the_chunk() -> None:
-    """Every row's verify block (drafts + 1) fits in one call of ``rows``, at least one draft."""
+def test_batch_depth_within_the_calls_of_one_draft() -> None:
+    """Every row's verify block (drafts + 1) takes no more chunked calls of ``rows`` than a round
+    of one draft a row, as deep as that allows, at least one draft."""
     from circuits_llm.draft_block import BatchDepth
     from circuits_llm.draft_block.block import DraftBlockError
     rule = BatchDepth.within(32, 5)
     assert [rule.drafts(batch, 5) for batch in range(1, 13)] == [5, 5, 5, 5, 5, 4, 3, 3, 2, 2, 1, 1]
     # a drafter deeper than ``most`` (9 greedy drafts, 5 sampled) still drafts at most 5 in a batch
     assert [rule.drafts(batch, 9) for batch in range(1, 13)] == [5, 5, 5, 5, 5, 4, 3, 3, 2, 2, 1, 1]
+    assert [rule.drafts(batch, 5) for batch in (16, 17, 21, 22, 32, 33, 40)] == \
+        [1, 2, 2, 1, 1, 1, 1]  # 17 rows: one draft takes two calls, which hold two drafts
+    assert [BatchDepth.within(7, 5).drafts(batch, 5) for batch in range(1, 9)] == \
+        [5, 2, 1, 2, 1, 1, 1, 1]
+
+    def calls(batch: int, drafts: int, rows: int) -> int:
+        return -(-batch * (drafts + 1) // rows)
+
     for rows in range(1, 65):
         for batch in range(1, 70):
             drafts = BatchDepth.within(rows, 7).drafts(batch, 7)
             assert drafts >= 1
-            assert batch * (drafts + 1) <= rows or drafts == 1
-            assert drafts == 7 or batch * (drafts + 2) > rows  # the deepest that fits
+            assert calls(batch, drafts, rows) == calls(batch, 1, rows)
+            assert drafts == 7 or calls(batch, drafts + 1, rows) > calls(batch, 1, rows)
     with pytest.raises(DraftBlockError, match="rows >= 1"):
         BatchDepth.within(0)
     model = _llama()
-    assert chunk_rows(model) is None
+    assert chunk_rows(model) is None and priced_rows(model) is None
     done = make_row_invariant(model, torch.bfloat16)
     assert chunk_rows(model) == done.rows
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_verify_call_is_priced_by_its_chunk_only_where_amx_makes_it_flat(
+        monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
+    """With AMX tiles a batch's verify calls are sized by the probed chunk; without, at most
+    ``ROWS_PRICED_WITHOUT_AMX`` rows (the kernel's cost grows with them)."""
+    from circuits_llm.backbone.row_invariant import ROWS_PRICED_WITHOUT_AMX
+    model = _llama()
+    for module in model.modules():  # a wide chunk, as an AMD EPYC's probe finds (64)
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, RowInvariantLinear(child, 64, least=2))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert priced_rows(model) == (64 if amx else ROWS_PRICED_WITHOUT_AMX)

@@ -414,7 +414,7 @@ def test_a_prompts_file_with_the_block_drafts_less_in_a_batch_and_stays_exact(
         rules: list[str]) -> None:
     """``generate --prompts-file --head block --batch-size 4`` on a CPU drafts less as more rows
     draft (said on stderr): in float32 2 a round from 4 rows, in row-invariant bfloat16 as deep
-    as every row's verify block fits one call of the probed chunk (32 rows here; the rule of
+    as every row's verify block fits the chunked calls of one draft (the rule of
     some chunk size is what is checked); each request's greedy text is the one it gets
     alone in the same precision; ``--draft-steps`` fixes the depth instead."""
     monkeypatch.setattr("circuits_llm.app.commands.load_model", lambda spec, device=None: smollm2)

@@ -29,7 +29,7 @@ from circuits_llm.app.head_cache import (
 )
 from circuits_llm.app.shipping import ShippedDrafter, load_shipped_drafter
 from circuits_llm.app.verify_packing import Precision, decode_model, pack_for_verify_blocks
-from circuits_llm.backbone.row_invariant import chunk_rows
+from circuits_llm.backbone.row_invariant import priced_rows
 from circuits_llm.draft_block import BatchDepth, DraftWeights
 from circuits_llm.heads.shipped import (
     BLOCK_FILES,
@@ -203,8 +203,8 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
         if drafter.weights is DraftWeights.INT8:
             where += "; projections in int8"
         model = _model_for(loaded, chosen, packed, drafter.window)
-        rows = chunk_rows(model)
-        if batch_depth is not None and rows is not None:  # bfloat16: each verify in one call
+        rows = priced_rows(model)
+        if batch_depth is not None and rows is not None:  # bfloat16: verify calls sized by their price
             batch_depth = BatchDepth.within(rows, getattr(drafter, "batch_most",
                                                           drafter.window - 1))
         if batch_depth is not None and hasattr(drafter, "batch_depth"):  # a recursive block

@@ -18,10 +18,12 @@ whatever else the call runs (the other positions of a block, the other rows of a
   the softmax and the value product run in float64, and the result is rounded once to the model's
   dtype, so two calls can differ only where float64 rounding straddles a bfloat16 rounding
   boundary (about 2^-45 of the outputs);
-* **linear layers** applied in chunks of at most ``rows`` rows (:class:`RowInvariantLinear`),
-  ``rows`` probed on this machine's own kernels (:func:`invariant_rows`): oneDNN's bfloat16 kernel
-  gives each row the same bits for 1 to 32 rows on the Intel Xeon here, and switches kernels past
-  32.
+* **linear layers** applied in chunks of ``least`` to ``rows`` rows (:class:`RowInvariantLinear`;
+  fewer rows are padded with copies of the last), both probed on this machine's own kernels
+  (:func:`invariant_chunk`): oneDNN's bfloat16 kernel gives each row the same bits for 1 to 32
+  rows on the Intel Xeon (AMX) here and switches kernels past 32; on an AMD EPYC (AVX512-BF16) a
+  lone row takes another kernel, whose bits differ in a down projection's sums, while 2 to 64
+  rows agree, so every call there takes at least 2 rows.
 
 Elementwise layers (norms, rotary embeddings, activations) compute each row alone already. The
 result: a verify block's logits equal the logits of the same positions decoded one by one, bit
@@ -49,15 +51,26 @@ __all__ = [
     "RowInvariantConv1D",
     "RowInvariantLinear",
     "chunk_rows",
+    "invariant_chunk",
     "invariant_rows",
     "make_row_invariant",
+    "priced_rows",
     "row_invariant_attention",
 ]
 
 #: the name under which transformers' attention and mask interfaces know the float64 attention
 ROW_INVARIANT_ATTENTION = "row_invariant"
-#: the most rows :func:`invariant_rows` probes (a probe costs one call per row count)
+#: the most rows :func:`invariant_rows` probes
 MOST_PROBED_ROWS = 64
+#: the fewest rows a call may be padded to, tried in turn by :func:`invariant_chunk`
+LEAST_ROWS_TRIED = (1, 2)
+#: the rows a batch's verify call is sized by on a CPU without AMX tiles, where the bfloat16
+#: kernel's cost grows with its rows (an AMD EPYC with AVX512-BF16: 32 rows of SmolLM2's MLP cost
+#: 2.7x one row's, its LM head 2.1x); measured there, 3 drafts at batch 4 (16 rows) beat 5 and 1
+#: (journal section 18)
+ROWS_PRICED_WITHOUT_AMX = 16
+#: a chunk of this many rows is wide enough: :func:`invariant_chunk` tries no further ``least``
+USEFUL_ROWS = 8
 
 
 class RowInvarianceError(ValueError):
@@ -131,52 +144,60 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ROW_INVARIANT_ATTENTION, _boolean_mask)
 
 
-def _chunked(layer: Callable[[Tensor], Tensor], x: Tensor, rows: int, width: int) -> Tensor:
-    """``layer`` on the rows of ``x`` (..., in), at most ``rows`` a call -> (..., ``width``)."""
+def _chunked(layer: Callable[[Tensor], Tensor], x: Tensor, rows: int, width: int,
+             least: int = 1) -> Tensor:
+    """``layer`` on the rows of ``x`` (..., in), ``least`` to ``rows`` a call (a call of fewer is
+    padded with copies of its last row, whose outputs are dropped) -> (..., ``width``)."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= rows:
+    count = flat.shape[0]
+    if least <= count <= rows:
         return layer(x)
-    out = torch.cat([layer(chunk) for chunk in flat.split(rows)])
-    return out.reshape(*x.shape[:-1], width)
+    outputs = []
+    for chunk in flat.split(rows):
+        short = least - chunk.shape[0]
+        padded = chunk if short <= 0 else torch.cat([chunk, chunk[-1:].expand(short, -1)])
+        outputs.append(layer(padded)[:chunk.shape[0]])
+    return torch.cat(outputs).reshape(*x.shape[:-1], width)
 
 
 class RowInvariantLinear(nn.Linear):
-    """An ``nn.Linear`` that sends its rows to the kernel at most ``rows`` at a time, sharing the
-    source layer's parameters (so the kernel that handles a row never depends on how many rows
-    came with it, within the probed range)."""
+    """An ``nn.Linear`` that sends its rows to the kernel ``least`` to ``rows`` at a time
+    (padding a shorter call), sharing the source layer's parameters (so the kernel that handles a
+    row never depends on how many rows came with it, within the probed range)."""
 
-    def __init__(self, linear: nn.Linear, rows: int) -> None:
+    def __init__(self, linear: nn.Linear, rows: int, least: int = 1) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.rows = rows
+        self.rows, self.least = rows, least
 
     def forward(self, x: Tensor) -> Tensor:
-        """(..., in) -> (..., out): ``F.linear`` on chunks of at most ``rows`` rows."""
+        """(..., in) -> (..., out): ``F.linear`` on chunks of ``least`` to ``rows`` rows."""
         return _chunked(lambda rows: F.linear(rows, self.weight, self.bias), x, self.rows,
-                        self.out_features)
+                        self.out_features, self.least)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rows={self.rows}"
+        return f"{super().extra_repr()}, rows={self.rows}, least={self.least}"
 
 
 class RowInvariantConv1D(Conv1D):
     """transformers' ``Conv1D`` (GPT-2's linear layers: ``x @ W + b``, ``W`` (in, out)) applied
     at most ``rows`` rows at a time, sharing the source layer's parameters."""
 
-    def __init__(self, layer: Conv1D, rows: int) -> None:
+    def __init__(self, layer: Conv1D, rows: int, least: int = 1) -> None:
         nn.Module.__init__(self)
         self.nf, self.nx = layer.nf, layer.nx
         self.weight, self.bias = layer.weight, layer.bias
-        self.rows = rows
+        self.rows, self.least = rows, least
 
     def forward(self, x: Tensor) -> Tensor:
-        """(..., in) -> (..., out): ``Conv1D`` on chunks of at most ``rows`` rows."""
-        return _chunked(super().forward, x, self.rows, self.nf)
+        """(..., in) -> (..., out): ``Conv1D`` on chunks of ``least`` to ``rows`` rows."""
+        return _chunked(super().forward, x, self.rows, self.nf, self.least)
 
     def __repr__(self) -> str:
-        return f"RowInvariantConv1D(nf={self.nf}, nx={self.nx}, rows={self.rows})"
+        return (f"RowInvariantConv1D(nf={self.nf}, nx={self.nx}, rows={self.rows}, "
+                f"least={self.least})")
 
 
 def _input_width(layer: nn.Module) -> int:
@@ -184,28 +205,55 @@ def _input_width(layer: nn.Module) -> int:
 
 
 def invariant_rows(layers: Sequence[nn.Module], most: int = MOST_PROBED_ROWS,
-                   generator: torch.Generator | None = None) -> int:
-    """The largest ``r <= most`` such that, for every ``m <= r`` and every layer, the layer on
-    ``m`` rows gives each row the bits it gets alone: the chunk size the row-invariant layers may
-    use on this machine. 1 where even two rows change a row's bits.
+                   generator: torch.Generator | None = None, least: int = 1) -> int:
+    """The largest ``r <= most`` such that, for every ``m`` from ``least`` to ``r`` and every
+    layer, the layer on ``m`` rows gives each row the bits it gets alone (in a call padded to
+    ``least`` rows with copies of it): the chunk size the row-invariant layers may use on this
+    machine: ``least`` where ``least + 1`` rows already change a row's bits, ``least - 1`` where
+    ``least`` rows do.
+
+    A kernel may change a row's bits only for some values (a sum rounded differently now and
+    then), so every row count is checked on every disjoint chunk of ``most`` random rows: each
+    count compares as many rows as the probe holds. The layers are probed smallest first, so the
+    largest (an LM head) is called only up to the rows the others allow.
 
     Args:
         layers: row-wise layers (``nn.Linear``, transformers' ``Conv1D``) in the dtype and on the
             device they run in; one per weight shape is enough.
         most: the largest row count probed.
         generator: seeds the random probe rows.
+        least: the fewest rows a call takes.
     """
     best = most
     with torch.no_grad():
-        for layer in layers:
+        for layer in sorted(layers, key=lambda layer: layer.weight.numel()):
             weight = layer.weight
             rows = torch.randn(most, _input_width(layer), generator=generator).to(weight)
-            alone = torch.cat([layer(rows[i:i + 1]) for i in range(most)])
-            for m in range(2, best + 1):
-                if not torch.equal(layer(rows[:m]), alone[:m]):
+            alone = torch.cat([layer(rows[i:i + 1].expand(least, -1))[:1]
+                               for i in range(rows.shape[0])])
+            for m in range(max(least, 2), best + 1):
+                if any(not torch.equal(layer(rows[start:start + m]), alone[start:start + m])
+                       for start in range(0, rows.shape[0] - m + 1, m)):
                     best = m - 1
                     break
     return best
+
+
+def invariant_chunk(layers: Sequence[nn.Module], most: int = MOST_PROBED_ROWS,
+                    generator: torch.Generator | None = None) -> tuple[int, int]:
+    """``(least, rows)``: the fewest rows a call is padded to and the most it takes, as
+    :func:`invariant_rows` probes them for ``layers``: the first ``least`` of
+    :data:`LEAST_ROWS_TRIED` whose calls take :data:`USEFUL_ROWS` rows or more, else the widest
+    range found. A padded call costs about what a lone row's does where this matters (bfloat16
+    kernels that take many rows at the price of one)."""
+    found = []
+    for least in LEAST_ROWS_TRIED:
+        rows = invariant_rows(layers, most, generator, least)
+        if rows >= min(USEFUL_ROWS, most):
+            return least, rows
+        found.append((rows, -least))
+    rows, least = max(found)
+    return -least, max(rows, -least)
 
 
 @dataclass(frozen=True)
@@ -215,11 +263,14 @@ class RowInvariance:
     dtype: torch.dtype
     rows: int
     linear_layers: int
+    least: int = 1
 
     def describe(self) -> str:
+        at_least = "" if self.least == 1 else \
+            f", at least {self.least} (a lone row takes another kernel here)"
         return (f"row-invariant {str(self.dtype).removeprefix('torch.')}: float64 attention, "
                 f"{self.linear_layers} linear layers applied {self.rows} rows at a time (the most "
-                "rows this machine's kernel computes as it computes one)")
+                f"rows this machine's kernel computes as it computes one){at_least}")
 
 
 def _row_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -233,7 +284,7 @@ def make_row_invariant(model: nn.Module, dtype: torch.dtype | None = None,
                        generator: torch.Generator | None = None) -> RowInvariance:
     """Cast ``model`` (a transformers causal LM, in place) to ``dtype`` (None: keep its dtype),
     switch its attention to :func:`row_invariant_attention` and its plain linear layers
-    (``nn.Linear``, ``Conv1D``) to chunks of the probed size (:func:`invariant_rows`). Call it
+    (``nn.Linear``, ``Conv1D``) to chunks of the probed sizes (:func:`invariant_chunk`). Call it
     before wrapping the model in a backbone and after ``torch.set_num_threads``.
 
     Raises:
@@ -258,12 +309,12 @@ def make_row_invariant(model: nn.Module, dtype: torch.dtype | None = None,
     shapes: dict[tuple[str, tuple[int, ...]], nn.Module] = {}
     for _, _, layer in targets:
         shapes.setdefault((type(layer).__name__, tuple(layer.weight.shape)), layer)
-    rows = invariant_rows(list(shapes.values()), generator=generator)
+    least, rows = invariant_chunk(list(shapes.values()), generator=generator)
     for parent, name, layer in targets:
-        chunked = RowInvariantLinear(layer, rows) if isinstance(layer, nn.Linear) else \
-            RowInvariantConv1D(layer, rows)
+        chunked = RowInvariantLinear(layer, rows, least) if isinstance(layer, nn.Linear) else \
+            RowInvariantConv1D(layer, rows, least)
         setattr(parent, name, chunked)
-    return RowInvariance(next(model.parameters()).dtype, rows, len(targets))
+    return RowInvariance(next(model.parameters()).dtype, rows, len(targets), least)
 
 
 def chunk_rows(model: nn.Module) -> int | None:
@@ -273,3 +324,16 @@ def chunk_rows(model: nn.Module) -> int | None:
         if isinstance(module, RowInvariantLinear | RowInvariantConv1D):
             return module.rows
     return None
+
+
+def priced_rows(model: nn.Module) -> int | None:
+    """The rows a verify call of ``model`` (made row-invariant) should hold, for sizing a batch's
+    rounds (:meth:`~circuits_llm.draft_block.batch_depth.BatchDepth.within`): its chunk on a CPU
+    with AMX tiles, where oneDNN's bfloat16 kernel takes up to the chunk's rows at about the
+    price of one (the Intel Xeon of journal section 16: 32); elsewhere at most
+    :data:`ROWS_PRICED_WITHOUT_AMX`. ``None`` for a model that was not made row-invariant."""
+    rows = chunk_rows(model)
+    if rows is None:
+        return None
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return rows if amx is not None and amx() else min(rows, ROWS_PRICED_WITHOUT_AMX)

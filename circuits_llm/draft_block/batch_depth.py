@@ -66,12 +66,13 @@ class BatchDepth:
 
     @classmethod
     def within(cls, rows: int, most: int = 7) -> BatchDepth:
-        """The deepest round whose verify block, ``drafts + 1`` tokens for every row, fits in
-        ``rows`` rows (at least 1 draft): what a row-invariant bfloat16 model on a CPU takes in
-        one call at the price of one token, ``rows`` being its probed chunk size
-        (:func:`~circuits_llm.backbone.row_invariant.chunk_rows`). With 32: 5 drafts up to 5 rows,
-        3 at 8, 1 from 11 (journal section 16: at batch 8, 3 drafts took greedy from 0.88x to
-        1.10x batched plain decoding).
+        """The deepest round whose verify block, ``drafts + 1`` tokens for every row, takes no
+        more calls of ``rows`` rows than a round of one draft (at least 1 draft): a row-invariant
+        bfloat16 model on a CPU computes a call of up to ``rows`` rows at about the price of one
+        token (:func:`~circuits_llm.backbone.row_invariant.priced_rows`). With 32 (the Intel Xeon
+        of journal section 16): 5 drafts up to 5 rows, 3 at 8, 1 from 11, 2 again from 17 (two
+        calls hold 3 tokens a row). With 16 (an AMD EPYC, journal section 18): 3 drafts at 4
+        rows, 1 at 8.
 
         Raises:
             DraftBlockError: ``rows`` or ``most`` below 1.
@@ -79,10 +80,11 @@ class BatchDepth:
         if rows < 1 or most < 1:
             raise DraftBlockError(f"BatchDepth.within takes rows >= 1 and most >= 1, got {rows}, "
                                   f"{most}")
-        steps: list[tuple[int, int]] = [(1, min(most, max(1, rows - 1)))]  # a drafter's k may
-        for batch in range(2, rows + 1):                                     # be deeper than most
-            drafts = max(1, min(most, rows // batch - 1))
-            if drafts < steps[-1][1]:
+        steps: list[tuple[int, int]] = []
+        for batch in range(1, rows + 2):  # past ``rows`` rows every round drafts 1
+            calls = -(-2 * batch // rows)  # the calls of a round of one draft a row
+            drafts = max(1, min(most, calls * rows // batch - 1))
+            if not steps or drafts != steps[-1][1]:
                 steps.append((batch, drafts))
         return cls(tuple(steps))
 
