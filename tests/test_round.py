@@ -27,6 +27,7 @@ from circuits_llm.decoding.decoder import (
 )
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import SamplingConfig
 
 EXACT_TV = 1e-9
@@ -156,6 +157,54 @@ def test_accept_decisions_equal_the_round_law(seed: int, compressed: bool, zero_
     expected = int(torch.cumprod((tests < law.accept).long(), 0).sum())
     assert int(accepted) == expected
     torch.testing.assert_close(row, law.fallback[expected], rtol=1e-14, atol=1e-15)
+
+
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 5))
+def test_greedy_outcomes_of_a_batch_equal_each_rows_accept(seed: int, rows: int) -> None:
+    """A batch's greedy rows decided together (``greedy_outcomes``: one maximum over every row,
+    padding columns past a row's ``L + 1``, other rows that do not draft) give each row what
+    the single-row accept program gives it alone: ties (the first maximum), non-finite verifier
+    rows (only inside ``L + 1`` do they count), impossible drafts, a block wider than ``L``."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab, window = 6, 4
+    program = RoundProgram(ToyHead("ff", window, 1, 3, vocab, seed=seed % 89), SamplingConfig(0))
+    batch = rows + 1  # one more row that verifies no draft (an autoregressive row)
+    lengths = torch.randint(0, window, (rows,), generator=generator).tolist()
+    # a row may verify more drafts than its rule decides on (a batch's fixed width): ``L`` is
+    # the draft's length, the row's block the wider one
+    blocks = [min(window - 1, length + int(torch.randint(0, 2, (), generator=generator)))
+              for length in lengths]
+    width = max(blocks) + 1
+    logits = torch.randint(0, 3, (batch, width, vocab), generator=generator).double()  # ties
+    bad = torch.rand(batch, width, generator=generator) < 0.1
+    logits[bad] = torch.nan
+    at = torch.randperm(batch, generator=generator)[:rows].tolist()
+    drafts = []
+    for b, length in zip(at, lengths, strict=True):  # drafts that often match the maximum
+        best = logits[b].nan_to_num(-1).argmax(-1)
+        tokens = torch.where(torch.rand(window - 1, generator=generator) < 0.7,
+                             torch.nn.functional.pad(best[1:], (0, window - width), value=0),
+                             torch.randint(0, vocab, (window - 1,), generator=generator))
+        possible = torch.tensor(bool(torch.rand((), generator=generator) < 0.9))
+        drafts.append(DraftResult(tokens, torch.cat([best[:1], tokens])[None], None,
+                                  torch.tensor(True), possible, torch.tensor(length)))
+    together = program.greedy_outcomes(logits, at, drafts, blocks)
+    for b, draft, block, outcome in zip(at, drafts, blocks, together, strict=True):
+        alone = program.outcome(program.accept(logits[b, :block + 1], draft, None))
+        assert outcome == alone
+
+
+def test_greedy_outcomes_read_each_rows_own_logits() -> None:
+    """Negative control of the batch's greedy accept: two rows whose drafts match only their
+    own verifier rows accept all of them, and none when the rows are swapped."""
+    program = RoundProgram(ToyHead("ff", 3, 1, 3, 5, seed=1), SamplingConfig(0))
+    logits = torch.zeros(2, 3, 5, dtype=torch.float64)
+    logits[0, :, 1] = logits[1, :, 3] = 1.0  # row 0's maximum is token 1, row 1's token 3
+    drafts = [DraftResult(torch.tensor([t, t]), torch.tensor([[0, t, t]]), None,
+                          torch.tensor(True), torch.tensor(True)) for t in (1, 3)]
+    assert [o.accepted for o in program.greedy_outcomes(logits, [0, 1], drafts, [2, 2])] == [2, 2]
+    assert [o.accepted for o in program.greedy_outcomes(logits, [1, 0], drafts, [2, 2])] == [0, 0]
 
 
 def test_bad_draft_tokens_are_one_clear_error() -> None:
