@@ -128,7 +128,7 @@ def test_shipped_drafters_decode_greedy_as_the_model(toy: dict, kind: str,
 
 def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -> None:
     """``recursive_depths``: in bfloat16 the shipped block drafts 9 a greedy round and at most its
-    shipped depth (3 here) a sampled one; in float32 (or without a precision) the shipped depth
+    shipped depth (3 here), at most 4, a sampled one; in float32 (or without a precision) the shipped depth
     for both; a depth asked for explicitly is kept as given; a circuit on a block is untouched."""
     shipped = hc.find_shipped_drafter(toy["model"], "block", toy["root"])
     assert shipped is not None
@@ -142,6 +142,8 @@ def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -
     given = load(shipped, toy["model"], 2, precision=Precision.BFLOAT16)
     assert (given.window, given.sampled_steps) == (3, None)
     assert recursive_depths(Precision.BFLOAT16, 12) == (12, None)
+    assert recursive_depths(Precision.BFLOAT16, 5) == (FLAT_VERIFY_GREEDY_STEPS, 4)  # SmolLM2's
+    assert recursive_depths(Precision.FLOAT32, 5) == (5, None)
     decoder = SpeculativeDecoder(toy["model"], deep)
     for prompt in PROMPTS:
         result = decoder.generate(torch.tensor(prompt), 10, eos_token_id=())

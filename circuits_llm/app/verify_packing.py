@@ -54,19 +54,24 @@ class Precision(Enum):
 
 #: a recursive block's drafts in a greedy round where a verify block of up to 32 tokens costs one
 #: token (bfloat16 here): the copy's drafts cost no readout, and runs of them are accepted where
-#: the text repeats (journal section 17: 9 drafts 3.10x plain decoding greedy, 5 drafts 2.84x;
-#: sampled rounds were fastest at the shipped 5)
+#: the text repeats (journal section 17: 9 drafts 3.10x plain decoding greedy, 5 drafts 2.84x)
 FLAT_VERIFY_GREEDY_STEPS = 9
+#: a recursive block's most drafts in a sampled round there: each sampled draft pays a readout
+#: and a draw, and the shipped block's 5th is accepted in 3% of rounds at T = 1 (journal section
+#: 18, AMD EPYC, 6 prompts x 128 tokens x 2 seeds: 3 / 4 / 5 drafts 1.52x / 1.51x / 1.43x plain
+#: decoding at 1.81 / 1.90 / 1.91 tokens a round)
+FLAT_VERIFY_SAMPLED_STEPS = 4
 
 
 def recursive_depths(precision: Precision, shipped_steps: int) -> tuple[int, int | None]:
     """A recursive block's drafts a round and its cap for sampled rounds
     (:class:`~circuits_llm.draft_block.BlockDrafter`'s ``steps`` and ``sampled_steps``) when the
     decoders run in the resolved ``precision``: in bfloat16 :data:`FLAT_VERIFY_GREEDY_STEPS`
-    greedy (or the shipped depth, if deeper) and the shipped depth sampled; in float32, where a
-    verify block's cost grows with its tokens, the shipped depth for both."""
+    greedy (or the shipped depth, if deeper) and the shipped depth sampled, at most
+    :data:`FLAT_VERIFY_SAMPLED_STEPS`; in float32, where a verify block's cost grows with its
+    tokens, the shipped depth for both."""
     if precision is Precision.BFLOAT16 and shipped_steps < FLAT_VERIFY_GREEDY_STEPS:
-        return FLAT_VERIFY_GREEDY_STEPS, shipped_steps
+        return FLAT_VERIFY_GREEDY_STEPS, min(shipped_steps, FLAT_VERIFY_SAMPLED_STEPS)
     return shipped_steps, None
 
 

@@ -135,9 +135,8 @@ class BlockDrafter(BlockCacheFollower):
             window of ``sampled_steps + 1``, so its rounds are those of a drafter of that depth.
             Greedy rounds draft ``k``: the drafts the context copy proposes cost no readout there and
             are accepted in long runs where the text repeats, while a sampled draft costs a
-            readout and its draw, and past the trained depth is rarely accepted (journal section
-            17: on a verify that costs one token for up to 32, 9 drafts greedy and 5 sampled
-            were each the fastest).
+            readout and its draw, and past the trained depth is rarely accepted (journal sections
+            17-18: in bfloat16, 9 drafts greedy and 4 sampled).
 
     Attributes:
         window: ``k + 1``: the verified token and the block's ``k`` recursive drafts.
