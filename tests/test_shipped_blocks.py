@@ -30,7 +30,12 @@ from circuits_llm.app.commands import comparison_config
 from circuits_llm.app.demo import DemoError
 from circuits_llm.app.demo_blocks import block_decoders, block_window, find_blocks, load_blocks
 from circuits_llm.app.shipping import ship_block, write_shipped_block
-from circuits_llm.app.verify_packing import FLAT_VERIFY_GREEDY_STEPS, Precision, recursive_depths
+from circuits_llm.app.verify_packing import (
+    FLAT_VERIFY_GREEDY_STEPS,
+    FLAT_VERIFY_SAMPLED_STEPS,
+    Precision,
+    recursive_depths,
+)
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.draft_block import BatchDepth, BlockCircuitDrafter, BlockDrafter, save_draft_block
 from circuits_llm.draft_block.io import BLOCK_CONFIG_FILE, BLOCK_TENSORS_FILE
@@ -408,7 +413,7 @@ def test_generate_sets_the_recursive_depth_and_refuses_it_elsewhere(
 
 @pytest.mark.parametrize(("precision", "rules"), [
     ("float32", ["in a batch 2 drafts from 4 rows"]),
-    ("bfloat16", [f"in a batch {BatchDepth.within(rows, 5).describe()})"
+    ("bfloat16", [f"in a batch {BatchDepth.within(rows, FLAT_VERIFY_SAMPLED_STEPS).describe()})"
                   for rows in range(1, 65)])])
 def test_a_prompts_file_with_the_block_drafts_less_in_a_batch_and_stays_exact(
         smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch,
