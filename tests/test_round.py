@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from toy import ToyHead, ToyLM, decoder_law, law_p_value, target_law, total_variation
 
 from circuits.compiled.queries import log_prefix_conditionals
-from circuits_llm.decoding.acceptance import round_law
+from circuits_llm.decoding.acceptance import greedy_batch_outcomes, round_law
 from circuits_llm.decoding.decoder import (
     AutoregressiveDecoder,
     CorrectionPolicy,
@@ -162,7 +162,7 @@ def test_accept_decisions_equal_the_round_law(seed: int, compressed: bool, zero_
 @settings(max_examples=60)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 5))
 def test_greedy_outcomes_of_a_batch_equal_each_rows_accept(seed: int, rows: int) -> None:
-    """A batch's greedy rows decided together (``greedy_outcomes``: one maximum over every row,
+    """A batch's greedy rows decided together (``greedy_batch_outcomes``: one maximum over every row,
     padding columns past a row's ``L + 1``, other rows that do not draft) give each row what
     the single-row accept program gives it alone: ties (the first maximum), non-finite verifier
     rows (only inside ``L + 1`` do they count), impossible drafts, a block wider than ``L``."""
@@ -189,7 +189,7 @@ def test_greedy_outcomes_of_a_batch_equal_each_rows_accept(seed: int, rows: int)
         possible = torch.tensor(bool(torch.rand((), generator=generator) < 0.9))
         drafts.append(DraftResult(tokens, torch.cat([best[:1], tokens])[None], None,
                                   torch.tensor(True), possible, torch.tensor(length)))
-    together = program.greedy_outcomes(logits, at, drafts, blocks)
+    together = greedy_batch_outcomes(window, logits, at, drafts, blocks)
     for b, draft, block, outcome in zip(at, drafts, blocks, together, strict=True):
         alone = program.outcome(program.accept(logits[b, :block + 1], draft, None))
         assert outcome == alone
@@ -198,13 +198,12 @@ def test_greedy_outcomes_of_a_batch_equal_each_rows_accept(seed: int, rows: int)
 def test_greedy_outcomes_read_each_rows_own_logits() -> None:
     """Negative control of the batch's greedy accept: two rows whose drafts match only their
     own verifier rows accept all of them, and none when the rows are swapped."""
-    program = RoundProgram(ToyHead("ff", 3, 1, 3, 5, seed=1), SamplingConfig(0))
     logits = torch.zeros(2, 3, 5, dtype=torch.float64)
     logits[0, :, 1] = logits[1, :, 3] = 1.0  # row 0's maximum is token 1, row 1's token 3
     drafts = [DraftResult(torch.tensor([t, t]), torch.tensor([[0, t, t]]), None,
                           torch.tensor(True), torch.tensor(True)) for t in (1, 3)]
-    assert [o.accepted for o in program.greedy_outcomes(logits, [0, 1], drafts, [2, 2])] == [2, 2]
-    assert [o.accepted for o in program.greedy_outcomes(logits, [1, 0], drafts, [2, 2])] == [0, 0]
+    assert [o.accepted for o in greedy_batch_outcomes(3, logits, [0, 1], drafts, [2, 2])] == [2, 2]
+    assert [o.accepted for o in greedy_batch_outcomes(3, logits, [1, 0], drafts, [2, 2])] == [0, 0]
 
 
 def test_bad_draft_tokens_are_one_clear_error() -> None:

@@ -183,7 +183,8 @@ class RowInvariantLinear(nn.Linear):
 
 class RowInvariantConv1D(Conv1D):
     """transformers' ``Conv1D`` (GPT-2's linear layers: ``x @ W + b``, ``W`` (in, out)) applied
-    at most ``rows`` rows at a time, sharing the source layer's parameters."""
+    ``least`` to ``rows`` rows at a time (padding a shorter call), sharing the source layer's
+    parameters."""
 
     def __init__(self, layer: Conv1D, rows: int, least: int = 1) -> None:
         nn.Module.__init__(self)

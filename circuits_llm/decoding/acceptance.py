@@ -20,6 +20,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
+from circuits_llm.decoding.round_data import DraftResult, RoundOutcome
 from circuits_llm.decoding.warping import DecoderError
 
 __all__ = ["CorrectionPolicy", "RoundLaw", "Transition", "acceptance_ratios", "blockwise_argmax",
@@ -220,3 +221,39 @@ def draw_from_row(row: Tensor, uniform: Tensor) -> Tensor:
     token = torch.searchsorted(cdf, (uniform * cdf[-1])[None], right=True)[0]
     token = token.clamp(max=row.shape[0] - 1)
     return torch.where(row.index_select(0, token[None])[0] > 0, token, blockwise_argmax(row))
+
+
+def greedy_batch_outcomes(window: int, logits: Tensor, at: Sequence[int],
+                          drafts: Sequence[DraftResult], lengths: Sequence[int]
+                          ) -> list[RoundOutcome]:
+    """The greedy accept of several rows of a batch in one pass: ``logits`` (B, W, V) the
+    batch's verifier logits, row ``at[i]`` verifying ``drafts[i]``'s first ``lengths[i]`` drafts
+    of a round of ``window`` (its columns after them are padding), each decided on its own ``L``
+    (the draft's ``length``, as the single-row accept program reads it) -> each row's
+    :class:`~circuits_llm.decoding.round_data.RoundOutcome`: the decisions
+    :meth:`AcceptProgram.accept <circuits_llm.decoding.round.AcceptProgram.accept>` makes for it
+    alone (the first maximum, the same flags), read in one host transfer instead of one a row."""
+    drafted = window - 1
+    with torch.no_grad():
+        top, best = logits.index_select(0, torch.tensor(list(at), device=logits.device)
+                                        ).max(-1)  # (R, W): one pass over every row
+        device = best.device
+        length = torch.stack([torch.full((), drafted, device=device) if d.length is None
+                              else d.length.to(device) for d in drafts])
+        length = torch.minimum(length, torch.tensor(list(lengths), device=device))
+        columns = torch.arange(best.shape[1], device=device)
+        ok = (torch.isfinite(top) | (columns[None] > length[:, None])).all(1)
+        if best.shape[1] < window:  # the batch's widest block verified fewer drafts
+            best = torch.nn.functional.pad(best, (0, window - best.shape[1]), value=-1)
+        tokens = torch.stack([draft.tokens for draft in drafts])  # (R, n-1)
+        possible = torch.stack([draft.possible for draft in drafts])
+        verified = torch.arange(drafted, device=device)[None] < length[:, None]
+        matches = (tokens == best[:, :drafted]) & possible[:, None] & verified
+        accepted = torch.cumprod(matches.long(), 1).sum(1)
+        token = best.gather(1, accepted[:, None])[:, 0]
+        flags = torch.stack([torch.stack([draft.head_ok for draft in drafts]), ok, possible])
+        packed = torch.cat([tokens, length[:, None], accepted[:, None], token[:, None],
+                            flags.T.long()], 1)
+    return [RoundOutcome(tuple(values[:values[-6]]), values[-5], values[-4], bool(values[-3]),
+                         bool(values[-2]), bool(values[-1]))
+            for values in packed.tolist()]

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from circuits_llm.backbone.ragged_cache import ragged_backbone
-from circuits_llm.decoding.acceptance import Transition, transition
+from circuits_llm.decoding.acceptance import Transition, greedy_batch_outcomes, transition
 from circuits_llm.decoding.batch_draft import draft_in_passes
 from circuits_llm.decoding.constraint_path import round_component
 from circuits_llm.decoding.context_drafting import kept_pairs, prefill_pairs
@@ -261,14 +261,14 @@ class SpeculativeRows:
                at: list[int], config: SamplingConfig) -> list[tuple[Transition, RoundKind, int,
                                                                      int]]:
         """Greedy rows of one program without an extra draft column are decided together
-        (:meth:`~circuits_llm.decoding.round.AcceptProgram.greedy_outcomes`: one pass and one
+        (:func:`~circuits_llm.decoding.acceptance.greedy_batch_outcomes`: one pass and one
         host read for the batch, which at batch 8 cost 3.2 ms a round one row at a time); the
         others through the accept program of the single-prompt round, row by row."""
         logits = step.verifier_logits
         programs = {id(draft.program) for draft in drafts}
         if config.greedy and len(programs) == 1 and all(d.draft.extra is None for d in drafts):
-            outcomes = drafts[0].program.greedy_outcomes(
-                logits, at, [d.draft for d in drafts], [d.length for d in drafts])
+            outcomes = greedy_batch_outcomes(drafts[0].program.window, logits, at,
+                                             [d.draft for d in drafts], [d.length for d in drafts])
         else:
             outcomes = [d.program.outcome(d.program.accept(logits[b, :d.length + 1], d.draft,
                                                            d.uniforms))

@@ -48,7 +48,7 @@ with a drawn *stand-in* for it, on which ``q`` conditions (exact: docs/decoder-e
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -133,39 +133,6 @@ class AcceptProgram:
                                     draft.possible, uniforms, draft.length)
             return self._accept(logits, draft.tokens, draft.q, draft.head_ok, draft.possible,
                                 uniforms, draft.length, draft.extra)
-
-    def greedy_outcomes(self, logits: Tensor, at: Sequence[int], drafts: Sequence[DraftResult],
-                        lengths: Sequence[int]) -> list[RoundOutcome]:
-        """The greedy accept of several rows of a batch in one pass: ``logits`` (B, W, V) the
-        batch's verifier logits, row ``at[i]`` verifying ``drafts[i]``'s first ``lengths[i]``
-        drafts (its columns after them are padding), each decided on its own ``L`` (the draft's
-        ``length``, as :meth:`accept` reads it) -> each row's :class:`RoundOutcome`, the
-        decisions :meth:`accept` makes for it alone (the first maximum, the same flags), read in
-        one host transfer instead of one a row."""
-        drafted = self.window - 1
-        with torch.no_grad():
-            top, best = logits.index_select(0, torch.tensor(list(at), device=logits.device)
-                                            ).max(-1)  # (R, W): one pass over every row
-            device = best.device
-            length = torch.stack([torch.full((), drafted, device=device) if d.length is None
-                                  else d.length.to(device) for d in drafts])
-            length = torch.minimum(length, torch.tensor(list(lengths), device=device))
-            columns = torch.arange(best.shape[1], device=device)
-            ok = (torch.isfinite(top) | (columns[None] > length[:, None])).all(1)
-            if best.shape[1] < self.window:  # the batch's widest block verified fewer drafts
-                best = torch.nn.functional.pad(best, (0, self.window - best.shape[1]), value=-1)
-            tokens = torch.stack([draft.tokens for draft in drafts])  # (R, n-1)
-            possible = torch.stack([draft.possible for draft in drafts])
-            verified = torch.arange(drafted, device=device)[None] < length[:, None]
-            matches = (tokens == best[:, :drafted]) & possible[:, None] & verified
-            accepted = torch.cumprod(matches.long(), 1).sum(1)
-            token = best.gather(1, accepted[:, None])[:, 0]
-            flags = torch.stack([torch.stack([draft.head_ok for draft in drafts]), ok, possible])
-            packed = torch.cat([tokens, length[:, None], accepted[:, None], token[:, None],
-                                flags.T.long()], 1)
-        return [RoundOutcome(tuple(values[:values[-6]]), values[-5], values[-4],
-                             bool(values[-3]), bool(values[-2]), bool(values[-1]))
-                for values in packed.tolist()]
 
     def _accept_program(self, logits: Tensor, tokens: Tensor, q: Tensor | None, head_ok: Tensor,
                         possible: Tensor, uniforms: Tensor | None,
