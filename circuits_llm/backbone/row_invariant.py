@@ -244,17 +244,18 @@ def invariant_chunk(layers: Sequence[nn.Module], most: int = MOST_PROBED_ROWS,
                     generator: torch.Generator | None = None) -> tuple[int, int]:
     """``(least, rows)``: the fewest rows a call is padded to and the most it takes, as
     :func:`invariant_rows` probes them for ``layers``: the first ``least`` of
-    :data:`LEAST_ROWS_TRIED` whose calls take :data:`USEFUL_ROWS` rows or more, else the widest
-    range found. A padded call costs about what a lone row's does where this matters (bfloat16
+    :data:`LEAST_ROWS_TRIED` whose calls take :data:`USEFUL_ROWS` rows or more, else the most
+    rows found. A padded call costs about what a lone row's does where this matters (bfloat16
     kernels that take many rows at the price of one)."""
     found = []
     for least in LEAST_ROWS_TRIED:
         rows = invariant_rows(layers, most, generator, least)
         if rows >= min(USEFUL_ROWS, most):
             return least, rows
-        found.append((rows, -least))
-    rows, least = max(found)
-    return -least, max(rows, -least)
+        found.append((least, rows))
+    # the most rows, the smaller least on a tie (least 1 always takes at least 1 row, so a
+    # larger least wins only with more rows than it pads to)
+    return max(found, key=lambda pair: (pair[1], -pair[0]))
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ Two ways to compute the same product, chosen per call:
 
 A call of :data:`WIDE_ROWS` rows or more on a CPU whose oneDNN computes bfloat16 natively
 (AVX512-BF16 or AMX: :func:`native_bfloat16`) multiplies by the codes held in bfloat16 instead
-(exact: the codes are integers of at most 7 bits), then scales: there the bfloat16 kernel takes up
-to 32 rows at the price of one, while the packed int8 kernel's cost grows with the rows (8 rows
-of SmolLM2's 8,192-token readout: 0.70 against 1.05 ms; journal section 17). A batch of 8 rows
+(exact: the codes are integers of at most 7 bits), then scales: on the Intel Xeon (AMX) of
+journal section 17 the bfloat16 kernel takes up to 32 rows at the price of one, while the packed
+int8 kernel's cost grows with the rows (8 rows of SmolLM2's 8,192-token readout: 0.70 against
+1.05 ms); the crossover was not measured on an AVX512-BF16 CPU without AMX. A batch of 8 rows
 drafting through a draft block makes such calls.
 
 Outputs come back in the input's dtype.
