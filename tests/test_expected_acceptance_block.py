@@ -16,11 +16,18 @@ import torch
 from draft_block_models import block_circuit_head, perturbed_block, tiny_llama
 from toy import ToyHead
 
-from benchmarks.acceptance_measures import greedy_drafts, position_acceptance
+from benchmarks.acceptance_measures import (
+    collect_positions,
+    greedy_drafts,
+    own_continuations,
+    position_acceptance,
+)
 from benchmarks.expected_acceptance import table
 from benchmarks.expected_acceptance_block import (
     BLOCK_LOAD_ERRORS,
     block_acceptance,
+    block_features,
+    block_measures,
     collect_block_positions,
     load_block_drafters,
     measure_block,
@@ -272,3 +279,50 @@ def test_the_cli_loads_the_block_and_its_head_and_measures_both(tmp_path: Path) 
     save_head(narrow, tmp_path / "other")
     with pytest.raises(BLOCK_LOAD_ERRORS, match="vocabulary"):  # a head for another target
         load_block_drafters(tmp_path / "block", tmp_path / "other", MODEL)
+
+
+@pytest.mark.parametrize("first", [0, 4])
+def test_the_measures_from_a_row_on_are_each_texts_tail(first: int) -> None:
+    """``first``: the recursive block's per-position measures are each text's own from row
+    ``first`` on, in text order; a circuit head's positions are the rows ``t >= first`` whose
+    ``c`` is in its vocabulary, with the values they have when every row is measured."""
+    block = perturbed_block(MODEL, steps=3)
+    head = ToyHead("btree", 4, 2, 32, VOCAB, seed=5, draft_tokens=HEAD_VOCAB)
+    backbone, texts = HFBackbone(MODEL), _texts(TEXT_TOKENS, 3, 12)
+    for mode, measured in enumerate(block_measures(block, backbone, texts, first=first)):
+        alone = [block_measures(block, backbone, [text])[mode] for text in texts]
+        for field in ("alpha1", "beta2", "beta3", "peak"):
+            got = getattr(measured, field)
+            want = torch.cat([getattr(one, field)[first:] for one in alone])
+            assert got.shape == (3 * (9 - first),)
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    program = RoundProgram(head, SamplingConfig(temperature=1.0))
+    features = block_features(block)
+    positions, skipped = collect_positions(backbone, texts, program, features, first=first)
+    every, _ = collect_positions(backbone, texts, program, features)
+    rows = [t for text in texts for t in range(9) if int(text[t + 1]) in HEAD_VOCAB]
+    kept = torch.tensor(rows) >= first
+    assert len(every) == len(rows) and len(positions) == int(kept.sum())
+    assert skipped == sum(int(text[t + 1]) not in HEAD_VOCAB
+                          for text in texts for t in range(first, 9))
+    tail = position_acceptance(program, positions)
+    whole = position_acceptance(program, every)
+    assert torch.equal(tail.alpha1, whole.alpha1[kept])
+    assert torch.equal(tail.beta2.nan_to_num(), whole.beta2[kept].nan_to_num())
+
+
+def test_own_continuations_are_the_models_plain_decoding() -> None:
+    """Greedy: every appended token is the model's argmax after the text before it; sampled: the
+    prompt kept, the same draws for the same seed, other draws for another text index."""
+    texts = _texts(list(range(VOCAB)), 2, 6, seed=3)
+    for text, extended in zip(texts, own_continuations(MODEL, texts, 5, 0.0), strict=True):
+        assert extended.shape == (11,) and torch.equal(extended[:6], text)
+        for k in range(6, 11):
+            assert int(extended[k]) == int(_law(extended[:k].tolist()).argmax())
+    twice = [texts[0], texts[0]]
+    sampled = own_continuations(MODEL, twice, 8, 1.0, seed=7)
+    assert all(torch.equal(s[:6], texts[0]) and s.shape == (14,) for s in sampled)
+    assert torch.equal(sampled[0], own_continuations(MODEL, twice, 8, 1.0, seed=7)[0])
+    assert not torch.equal(sampled[0], sampled[1])  # text 1 draws with seed 8
+    assert torch.equal(sampled[1], own_continuations(MODEL, twice[:1], 8, 1.0, seed=8)[0])
