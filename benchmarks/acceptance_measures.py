@@ -156,6 +156,7 @@ def collect_positions(backbone: Backbone, texts: Sequence[Tensor], program: Roun
 
     for ids in texts:
         hidden, logits = text_features(backbone, ids, features)
+        logits = logits[first:]  # row j: the law after x_{first + j}; rows before are not read
         probs = torch.softmax(logits.double(), -1)
         if tokens is not None:
             probs = probs[:, tokens.to(probs.device)]
@@ -165,9 +166,10 @@ def collect_positions(backbone: Backbone, texts: Sequence[Tensor], program: Roun
             if index(c) < 0:
                 skipped += 1
                 continue
+            j = t - first  # row j + 1 of logits and probs: the law after c = x_{t+1}
             positions.append(Position(
                 hidden[t:t + 1].clone(), c, index(int(ids[t + 2])), index(int(ids[t + 3])),
-                probs[t + 1], probs[t + 2], probs[t + 3], (best[t + 1], best[t + 2], best[t + 3])))
+                probs[j + 1], probs[j + 2], probs[j + 3], (best[j + 1], best[j + 2], best[j + 3])))
     return positions, skipped
 
 

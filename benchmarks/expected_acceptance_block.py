@@ -90,7 +90,7 @@ def block_measures(block: DraftBlock, backbone: Backbone, texts: Sequence[Tensor
     # per mode (T = 1, greedy): alpha1, beta2, beta3, peak, one tensor per text each
     columns: list[list[list[Tensor]]] = [[[], [], [], []], [[], [], [], []]]
     for ids in texts:
-        count = ids.shape[0] - 3
+        count = max(ids.shape[0] - 3 - first, 0)  # the rows t = first..T-4
         with torch.no_grad():
             backbone.reset()
             step = backbone.extend(ids[None])
@@ -100,11 +100,12 @@ def block_measures(block: DraftBlock, backbone: Backbone, texts: Sequence[Tensor
         values = [[nan, nan, nan, nan], [nan, nan, nan, nan]]
         known = torch.ones(count, dtype=torch.bool)
         for a, output in enumerate(outputs, 1):  # row t + a - 1: the law of x_{t+a+1}
+            rows = slice(first + a - 1, first + a - 1 + count)
             with torch.no_grad():
-                drafted = block.logits(output[a - 1:a - 1 + count]).double().cpu()
-            target = logits[a:a + count].double().cpu()
+                drafted = block.logits(output[rows]).double().cpu()
+            target = logits[first + a:first + a + count].double().cpu()
             if a >= 2:  # the drafts before are the text's x_{t+2}..x_{t+a}
-                known &= inside[ids[a:a + count].cpu()]
+                known &= inside[ids[first + a:first + a + count].cpu()]
             q, p = torch.softmax(drafted, -1), torch.softmax(target, -1)
             accept = torch.minimum(p if tokens is None else p[:, tokens], q).sum(-1)
             chosen = drafted.argmax(-1)
@@ -116,7 +117,7 @@ def block_measures(block: DraftBlock, backbone: Backbone, texts: Sequence[Tensor
                 values[0][3] = q.max(-1).values
         for mode in range(2):
             for column, value in zip(columns[mode], values[mode], strict=True):
-                column.append(value[first:])
+                column.append(value)
     empty = torch.zeros(0, dtype=torch.float64)
     alpha1, beta2, beta3, peak = (torch.cat(c) if c else empty for c in columns[0])
     hits = [torch.cat(c) if c else empty for c in columns[1]]
