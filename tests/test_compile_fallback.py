@@ -33,6 +33,7 @@ from toy import ToyHead, ToyLM
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 from circuits_llm.backbone import HFBackbone
+from circuits_llm.decoding.acceptance import SampledAccept
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.heads import MTPHead
 from circuits_llm.runtime.compiling import (
@@ -44,6 +45,8 @@ from circuits_llm.runtime.compiling import (
 )
 
 VOCAB, HIDDEN, EOS = 48, 32, 47
+#: compiled rounds as a GPU runs them: the sampled accept over the whole window, as one program
+WHOLE_WINDOW = SampledAccept.WHOLE_WINDOW
 NYI = "NYI TritonSplitDimKernel reductions"
 PROMPTS = (torch.tensor([[5, 9, 5, 9, 3]]), torch.tensor([[7]]), torch.tensor([[4, 4]]))
 
@@ -129,7 +132,7 @@ def _decode_everything(compiler: RefusingCompiler) -> tuple[list[str], list[Any]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with use_compiler(compiler):
-            decoder = SpeculativeDecoder(MODEL, head, compile=True)
+            decoder = SpeculativeDecoder(MODEL, head, compile=True, sampled_accept=WHOLE_WINDOW)
         for _ in range(2):  # the second pass: no new warning, the failing program stays eager
             for prompt in PROMPTS:
                 result = decoder.generate(prompt, 12, eos_token_id=EOS)
@@ -195,7 +198,8 @@ def test_a_refused_round_program_on_a_toy_backbone() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with use_compiler(compiler):
-            decoder = SpeculativeDecoder(ToyLM(4, draft_branch=True, seed=1), head, compile=True)
+            decoder = SpeculativeDecoder(ToyLM(4, draft_branch=True, seed=1), head, compile=True,
+                                         sampled_accept=WHOLE_WINDOW)
         for seed in range(3):
             got = decoder.generate([1, 2, 0], 12, 1.0, generator=torch.Generator().manual_seed(seed))
             want = eager.generate([1, 2, 0], 12, 1.0, generator=torch.Generator().manual_seed(seed))

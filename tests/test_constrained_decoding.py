@@ -47,7 +47,7 @@ from toy_constrained import (
 )
 
 from circuits_llm.constraints import ConstraintError, Regex, TokenAutomaton
-from circuits_llm.decoding.acceptance import CorrectionPolicy
+from circuits_llm.decoding.acceptance import CorrectionPolicy, SampledAccept
 from circuits_llm.decoding.constrained import ConstrainedDrafting, ProductDrafter
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, DecoderError, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
@@ -55,6 +55,8 @@ from circuits_llm.decoding.metrics import RoundKind
 from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.runtime.compiling import Compilation, use_compiler
 
+#: compiled rounds as a GPU runs them: the sampled accept over the whole window, as one program
+WHOLE_WINDOW = SampledAccept.WHOLE_WINDOW
 V = 5
 EOS = 0
 WORDS = {"<eos>": 0, "a": 1, "b": 2, "c": 3, "d": 4}
@@ -307,6 +309,7 @@ def test_compiled_greedy_is_constrained_autoregressive(drafting: ConstrainedDraf
     double = CudaGraphDouble()
     with use_compiler(double if compiler == "graph-double" else aot_eager):
         decoder = SpeculativeDecoder(lm(), head("btree", NO_C, scale=3.0), compile=True,
+                                     sampled_accept=WHOLE_WINDOW,
                                      constrained_drafting=drafting)
     assert _greedy_matches_ar(decoder, reference) > 0
     programs = list(decoder._programs.values())
@@ -388,7 +391,8 @@ def test_compiled_sampling_draws_what_eager_draws(drafting: ConstrainedDrafting)
     eager = SpeculativeDecoder(lm(), draft, constrained_drafting=drafting)
     double = CudaGraphDouble()
     with use_compiler(double):
-        compiled = SpeculativeDecoder(lm(), draft, compile=True, constrained_drafting=drafting)
+        compiled = SpeculativeDecoder(lm(), draft, compile=True,
+                                      sampled_accept=WHOLE_WINDOW, constrained_drafting=drafting)
     for seed in range(4):
         for config in (SAMPLING, TOP_K):
             runs = [d.generate([1, 2], 10, config.temperature, top_k=config.top_k,

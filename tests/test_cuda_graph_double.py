@@ -25,12 +25,15 @@ from toy import ToyHead, ToyLM, law_p_value, target_law
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 from circuits_llm.backbone import HFBackbone
+from circuits_llm.decoding.acceptance import SampledAccept
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.warping import SamplingConfig
 from circuits_llm.heads import MTPHead
 from circuits_llm.runtime.compiling import Compilation, CompiledProgram, use_compiler
 
 VOCAB, HIDDEN, EOS = 48, 32, 47
+#: compiled rounds as a GPU runs them: the sampled accept over the whole window, as one program
+WHOLE_WINDOW = SampledAccept.WHOLE_WINDOW
 TOY_VOCAB = 4
 DRAFT_TOKENS = (2, 0, 3)
 
@@ -126,7 +129,7 @@ def test_reading_a_replayed_output_late_fails_under_the_double(uncopied: str,
     block by the backbone's verify step and its tokens, ``q`` and flags by the accept program; the
     backbone's logits by the accept program and its hidden state by the next draft program."""
     with use_compiler(_Uncopied(uncopied)):
-        decoder = SpeculativeDecoder(MODEL, _head("cp"), compile=True)
+        decoder = SpeculativeDecoder(MODEL, _head("cp"), compile=True, sampled_accept=WHOLE_WINDOW)
     with pytest.raises(StaleOutputError, match=f"an output of {uncopied}"):
         decoder.generate(torch.tensor([[5, 9, 5, 9, 3]]), 8, temperature,
                          generator=torch.Generator().manual_seed(0))
@@ -134,7 +137,7 @@ def test_reading_a_replayed_output_late_fails_under_the_double(uncopied: str,
         lm = ToyLM(TOY_VOCAB, draft_branch=True, seed=5)
         head = ToyHead("btree", 4, 2, lm.hidden_size, TOY_VOCAB, seed=5, draft_tokens=DRAFT_TOKENS)
         with use_compiler(_Uncopied(uncopied)):
-            decoder = SpeculativeDecoder(lm, head, compile=True)
+            decoder = SpeculativeDecoder(lm, head, compile=True, sampled_accept=WHOLE_WINDOW)
         with pytest.raises(StaleOutputError, match=r"draft program .* after call \d+ \(accept program"):
             decoder.generate([1, 2, 0], 8, temperature, generator=torch.Generator().manual_seed(0))
 
@@ -148,7 +151,7 @@ def test_compiled_greedy_equals_generate_under_cuda_graph_semantics(
     double = CudaGraphDouble()
     with use_compiler(double):
         decoder = SpeculativeDecoder(MODEL, _head(architecture, variant), lora_layers=lora_layers,
-                                     compile=True)
+                                     compile=True, sampled_accept=WHOLE_WINDOW)
     assert decoder.backbone.compiled and decoder.backbone.compiled_lengths == (1, 4)
     if lora_layers:  # random non-zero adapters: the draft branch differs from the verifier
         generator = torch.Generator().manual_seed(1)
@@ -181,7 +184,8 @@ def test_compiled_greedy_equals_eager_on_toy(architecture: str,
     eager = SpeculativeDecoder(lm, head)
     double = CudaGraphDouble()
     with use_compiler(double):
-        compiled = SpeculativeDecoder(ToyLM(TOY_VOCAB, draft_branch=True, seed=1), head, compile=True)
+        compiled = SpeculativeDecoder(ToyLM(TOY_VOCAB, draft_branch=True, seed=1), head, compile=True,
+                                      sampled_accept=WHOLE_WINDOW)
     for prompt in ([0, 2], [1], [2, 1, 3]):
         want = eager.generate(prompt, 14)
         got = compiled.generate(prompt, 14)
@@ -204,7 +208,8 @@ def test_compiled_sampling_draws_what_eager_draws_under_cuda_graph_semantics(
     eager = SpeculativeDecoder(lm, head)
     double = CudaGraphDouble()
     with use_compiler(double):
-        compiled = SpeculativeDecoder(ToyLM(TOY_VOCAB, draft_branch=True, seed=5), head, compile=True)
+        compiled = SpeculativeDecoder(ToyLM(TOY_VOCAB, draft_branch=True, seed=5), head, compile=True,
+                                      sampled_accept=WHOLE_WINDOW)
     sampling = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
     for seed in range(4):
         want = eager.generate([1, 2, 0], 16, generator=torch.Generator().manual_seed(seed), **sampling)
@@ -219,7 +224,7 @@ def test_compiled_hf_sampling_draws_what_eager_draws_under_cuda_graph_semantics(
     eager = SpeculativeDecoder(HFBackbone(MODEL), head)
     double = CudaGraphDouble()
     with use_compiler(double):
-        compiled = SpeculativeDecoder(MODEL, head, compile=True)
+        compiled = SpeculativeDecoder(MODEL, head, compile=True, sampled_accept=WHOLE_WINDOW)
     prompt = torch.tensor([[5, 9, 5, 9, 3]])
     for seed in range(2):
         want = eager.generate(prompt, 12, 0.9, 10, 0.95, torch.Generator().manual_seed(seed))
@@ -232,7 +237,8 @@ def test_compiled_sampling_matches_the_target_law_under_cuda_graph_semantics() -
     """Chi-square of 300 compiled two-token decodes against the brute-force target law."""
     head = ToyHead("btree", 4, 2, 6, TOY_VOCAB, seed=5, draft_tokens=DRAFT_TOKENS)
     with use_compiler(CudaGraphDouble()):
-        compiled = SpeculativeDecoder(ToyLM(TOY_VOCAB, draft_branch=True, seed=5), head, compile=True)
+        compiled = SpeculativeDecoder(ToyLM(TOY_VOCAB, draft_branch=True, seed=5), head, compile=True,
+                                      sampled_accept=WHOLE_WINDOW)
     law = target_law(ToyLM(TOY_VOCAB, draft_branch=True, seed=5), [1, 2], 2, SamplingConfig(1.0))
     generator = torch.Generator().manual_seed(99)
     samples = [tuple(compiled.generate([1, 2], 2, 1.0, generator=generator).tokens.tolist())

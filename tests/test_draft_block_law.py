@@ -19,7 +19,7 @@ from draft_block_models import NextTokenLogits, perturbed_block, tiny_llama
 from toy import add_outcomes, continuation_law, law_p_value, target_law, total_variation
 
 from circuits_llm.backbone import HFBackbone
-from circuits_llm.decoding.acceptance import CorrectionPolicy, round_law
+from circuits_llm.decoding.acceptance import CorrectionPolicy, SampledAccept, round_law
 from circuits_llm.decoding.decoder import SpeculativeDecoder
 from circuits_llm.decoding.warping import SamplingConfig, target_probs, warp_logits
 from circuits_llm.draft_block import BlockDrafter, BlockStepMode, DraftBlock, DraftWeights
@@ -127,12 +127,13 @@ def test_sampled_generate_with_compiled_block_calls_follows_the_target_law() -> 
     double = CudaGraphDouble()
     with use_compiler(double):
         decoder = SpeculativeDecoder(MODEL, BlockDrafter(block, step_mode=BlockStepMode.COMPILED),
-                                     compile=True)
+                                     compile=True, sampled_accept=SampledAccept.WHOLE_WINDOW)
     generator = torch.Generator().manual_seed(0)
     samples = [tuple(decoder.generate(PROMPT, 2, temperature=1.0, generator=generator,
                                       eos_token_id=()).tokens.tolist()) for _ in range(800)]
     target = _target_law(2, config)
     assert double.calls["draft block step"] > 0
+    assert any(name.startswith("accept program") for name in double.calls)  # the GPU's accept
     assert law_p_value(samples, target) > 1e-3
     shifted = {((x[0] + 1) % VOCAB, *x[1:]): p for x, p in target.items()}
     assert law_p_value(samples, shifted) < 1e-6

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from toy import ToyHead, ToyLM, decoder_law, law_p_value, target_law, total_variation
 
 from circuits.compiled.queries import log_prefix_conditionals
-from circuits_llm.decoding.acceptance import greedy_batch_outcomes, round_law
+from circuits_llm.decoding.acceptance import SampledAccept, greedy_batch_outcomes, round_law
 from circuits_llm.decoding.decoder import (
     AutoregressiveDecoder,
     CorrectionPolicy,
@@ -243,10 +243,13 @@ def test_programs_trace_to_one_graph(architecture: str, rank: int,
 # ---------------------------------------------------------------------- compiled = eager
 @pytest.fixture(scope="module")
 def compiled_pair() -> tuple[SpeculativeDecoder, SpeculativeDecoder]:
-    """One eager and one compiled decoder on the same toy (compiling costs seconds: shared)."""
+    """One eager and one compiled decoder on the same toy (compiling costs seconds: shared). The
+    eager one accepts a sampled round row by row (a CPU's default), the compiled one over the
+    whole window in one program (a GPU's): the two implementations must draw the same tokens."""
     lm, head = _compressed("btree", 2, window=4, seed=5)
-    return (SpeculativeDecoder(lm, head),
-            SpeculativeDecoder(ToyLM(VOCAB, draft_branch=True, seed=5), head, compile=True))
+    return (SpeculativeDecoder(lm, head, sampled_accept=SampledAccept.ROW_BY_ROW),
+            SpeculativeDecoder(ToyLM(VOCAB, draft_branch=True, seed=5), head, compile=True,
+                               sampled_accept=SampledAccept.WHOLE_WINDOW))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])

@@ -23,11 +23,35 @@ from torch import Tensor
 from circuits_llm.decoding.round_data import DraftResult, RoundOutcome
 from circuits_llm.decoding.warping import DecoderError
 
-__all__ = ["CorrectionPolicy", "RoundLaw", "Transition", "acceptance_ratios", "blockwise_argmax",
-           "draw_from_row", "round_decisions", "round_law", "transition", "usable_conditionals"]
+__all__ = ["CorrectionPolicy", "RoundLaw", "SampledAccept", "Transition", "acceptance_ratios",
+           "blockwise_argmax", "drafted_conditionals", "draw_from_row", "draw_from_row_on_host",
+           "residual_law", "round_decisions", "round_law", "row_by_row_decisions", "transition",
+           "usable_conditionals", "usable_row"]
 
 #: block length of :func:`blockwise_argmax`
 ARGMAX_BLOCK = 256
+
+
+class SampledAccept(Enum):
+    """How a sampled round's accept computes the target's law (the same decisions either way).
+
+    ``WHOLE_WINDOW``: the fixed-shape program (:func:`round_decisions`): every verified row's
+    float64 softmax, no host read, compiled when the decoder compiles; what an accelerator runs.
+    ``ROW_BY_ROW``: eager (:func:`row_by_row_decisions`): a row's softmax only when the test
+    before it passed, each test read on the host. On a CPU it touches the rows of the accepted
+    drafts and one more instead of all ``L + 1``. ``AUTO`` (the decoder's default):
+    ``ROW_BY_ROW`` on a CPU, else ``WHOLE_WINDOW``.
+    """
+
+    AUTO = "auto"
+    WHOLE_WINDOW = "whole-window"
+    ROW_BY_ROW = "row-by-row"
+
+    def resolve(self, device: torch.device) -> SampledAccept:
+        """``WHOLE_WINDOW`` or ``ROW_BY_ROW``: what this choice means on ``device``."""
+        if self is not SampledAccept.AUTO:
+            return self
+        return SampledAccept.ROW_BY_ROW if device.type == "cpu" else SampledAccept.WHOLE_WINDOW
 
 
 @dataclass(frozen=True)
@@ -129,6 +153,61 @@ def transition(policy: CorrectionPolicy, draft: Sequence[int], accepted: int,
     return Transition((*draft[:accepted], token), token, accepted + 1)
 
 
+def drafted_conditionals(q: Tensor, tokens: Tensor, position: Tensor | None,
+                         extra: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The draft's side of a round's decisions (:func:`round_decisions`' arguments), without
+    building the whole of :func:`usable_conditionals`: only the row a round reads is made usable
+    (:func:`usable_row`).
+
+    Returns:
+        ``(finite, q_drafted)``: (n-1,) bool, whether each row of ``q`` is a finite vector, and
+        (n-1,) float64 ``q_k(d_k)`` under the usable conditionals: the probability each draft was
+        drawn with.
+    """
+    drafted = tokens.shape[0]
+    q = q.double()
+    finite = torch.isfinite(q).all(-1)
+    main, added = (q, None) if extra is None else (q[:, :-1], q[:, -1])
+    index = tokens if position is None else position[tokens]  # draft indices (-1: outside)
+    rows = torch.arange(drafted, device=q.device)
+    q_drafted = torch.where(finite & (index >= 0), main[rows, index.clamp(min=0)].clamp_min(0),
+                            0.0)
+    if added is not None:
+        assert extra is not None
+        q_drafted = q_drafted + torch.where(finite & (tokens == extra), added.clamp_min(0), 0.0)
+    return finite, q_drafted
+
+
+def usable_row(row: Tensor, finite: Tensor) -> Tensor:
+    """One row of :func:`usable_conditionals`: ``row`` in float64 with negative entries clamped
+    to 0, or zeros when ``finite`` (() bool) says the row is not a finite vector."""
+    return torch.where(finite, row.double().clamp_min(0), 0.0)
+
+
+def residual_law(p_row: Tensor, q_row: Tensor, draft_tokens: Tensor | None,
+                 extra_id: Tensor | None = None, extra_q: Tensor | None = None) -> Tensor:
+    """(V,) float64: the law of the token emitted when a draft drawn from ``q_row`` is rejected
+    under the target row ``p_row`` (V,): ``max(p - q, 0)`` normalised, or ``p_row`` itself when
+    that has no mass (``p <= q`` everywhere, i.e. ``p == q``, where rejection has probability 0).
+
+    ``q_row`` (K,) is over the draft vocabulary ``draft_tokens`` (``None``: ``K = V``; ``q = 0``
+    outside it), plus, with ``extra_id`` (1,) long, the probability ``extra_q`` (1,) of that model
+    id (a proposal's token outside the vocabulary: :func:`round_decisions`' extra column)."""
+    if extra_id is None:
+        if draft_tokens is None:
+            residual = (p_row - q_row).clamp_min(0)
+        else:  # q = 0 outside the draft vocabulary: the residual is p there
+            inside = (p_row.index_select(0, draft_tokens) - q_row).clamp_min(0)
+            residual = p_row.index_copy(0, draft_tokens, inside)
+    else:  # the row's law over every id: the draft vocabulary's entries, plus the extra one
+        assert extra_q is not None
+        full = q_row if draft_tokens is None else \
+            torch.zeros_like(p_row).index_copy(0, draft_tokens, q_row)
+        residual = (p_row - full.index_add(0, extra_id, extra_q)).clamp_min(0)
+    mass = residual.sum()
+    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p_row)
+
+
 def round_decisions(p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
                     length: Tensor | int | None, position: Tensor | None,
                     draft_tokens: Tensor | None, extra: Tensor | None = None
@@ -159,36 +238,69 @@ def round_decisions(p: Tensor, q: Tensor, tokens: Tensor, tests: Tensor,
     """
     drafted = tokens.shape[0]
     length = drafted if length is None else length
-    q = usable_conditionals(q.double())
-    q, added = (q, None) if extra is None else (q[:, :-1], q[:, -1])
-    index = tokens if position is None else position[tokens]  # draft indices (-1: outside)
+    finite, q_drafted = drafted_conditionals(q, tokens, position, extra)
     rows = torch.arange(drafted, device=p.device)
-    q_drafted = torch.where(index >= 0, q[rows, index.clamp(min=0)], 0.0)
-    if added is not None:
-        assert extra is not None
-        q_drafted = q_drafted + torch.where(tokens == extra, added, 0.0)
     ratio = acceptance_ratios(p[rows, tokens], q_drafted)
     ratio = torch.where(rows < length, ratio, 0.0)  # after L: not drafted, never accepted
     accepted = torch.cumprod((tests < ratio).long(), 0).sum()
     p_row = p.index_select(0, accepted[None])[0]  # (V,)
-    q_row = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, accepted[None])[0]
-    if added is None:
-        if draft_tokens is None:
-            residual = (p_row - q_row).clamp_min(0)
-        else:  # q = 0 outside the draft vocabulary: the residual is p there
-            inside = (p_row.index_select(0, draft_tokens) - q_row).clamp_min(0)
-            residual = p_row.index_copy(0, draft_tokens, inside)
-    else:  # the row's law over every id: the draft vocabulary's entries, plus the extra one
-        assert extra is not None
-        full = q_row if draft_tokens is None else \
-            torch.zeros_like(p_row).index_copy(0, draft_tokens, q_row)
-        pad = q.new_zeros(1)
+    # past the last draft (the bonus row) q is a zero row, whose residual is never used
+    chosen = torch.cat([q.double(), q.new_zeros(1, q.shape[1], dtype=torch.float64)]
+                       ).index_select(0, accepted[None])[0]
+    q_row = usable_row(chosen, torch.cat([finite, finite.new_ones(1)]).index_select(
+        0, accepted[None])[0])
+    extra_id = extra_q = None
+    if extra is not None:
+        q_row, extra_q = q_row[:-1], q_row[-1:]
         extra_id = torch.cat([extra, extra[:1]]).index_select(0, accepted[None])
-        extra_q = torch.cat([added, pad]).index_select(0, accepted[None])
-        residual = (p_row - full.index_add(0, extra_id, extra_q)).clamp_min(0)
-    mass = residual.sum()
-    residual = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), p_row)
+    residual = residual_law(p_row, q_row, draft_tokens, extra_id, extra_q)
     return accepted, torch.where(accepted == length, p_row, residual)
+
+
+def row_by_row_decisions(warped: Tensor, q: Tensor, tokens: Tensor, tests: Tensor, length: int,
+                         position: Tensor | None, draft_tokens: Tensor | None,
+                         extra: Tensor | None = None) -> tuple[int, Tensor]:
+    """:func:`round_decisions` computed one target row at a time, stopping at the first rejected
+    draft: the same decisions and the same law of the emitted token (bit for bit: a row's
+    float64 softmax is the same alone as among others), from the target's rows ``1..a+1`` when
+    ``a`` drafts are accepted, instead of all ``L + 1``.
+
+    Why: on a CPU the float64 softmax of a whole window is most of a sampled round's accept
+    (SmolLM2: 5 rows of 49,152 logits) while a sampled round accepts about one draft, and a host
+    read per row costs nothing there. On an accelerator the fixed-shape
+    :func:`round_decisions`, with no host read, is the one to run.
+
+    Args:
+        warped: (n, V) the warped target logits (:func:`~circuits_llm.decoding.warping.
+            warp_logits`); row ``k`` is softmaxed in float64 only when it is reached.
+        length: ``L`` on the host. The other arguments are :func:`round_decisions`'.
+
+    Returns:
+        (the number of accepted drafts, the law of the emitted token (V,) float64).
+    """
+    drafts, passes = tokens.tolist(), tests.tolist()
+    indices = drafts if position is None else position[tokens].tolist()  # -1: outside
+    proposed = None if extra is None else extra.tolist()
+    accepted, p_row, finite = length, warped.new_zeros(0), True
+    for k in range(length):  # q's row k is read only when reached; host arithmetic, the same
+        row = q[k].double()  # values as drafted_conditionals and acceptance_ratios (tested)
+        finite = bool(torch.isfinite(row).all())
+        drawn = max(float(row[indices[k]]), 0.0) if finite and indices[k] >= 0 else 0.0
+        if finite and proposed is not None and drafts[k] == proposed[k]:
+            drawn += max(float(row[-1]), 0.0)
+        p_row = torch.softmax(warped[k].double(), -1)
+        ratio = min(float(p_row[drafts[k]]) / drawn, 1.0) if drawn > 0 else 0.0
+        if not passes[k] < ratio:
+            accepted = k
+            break
+    if accepted == length:  # every verified draft accepted: the bonus row
+        return accepted, torch.softmax(warped[length].double(), -1)
+    q_row = usable_row(q[accepted], torch.tensor(finite))
+    extra_id = extra_q = None
+    if extra is not None:
+        q_row, extra_q = q_row[:-1], q_row[-1:]
+        extra_id = extra[accepted:accepted + 1]
+    return accepted, residual_law(p_row, q_row, draft_tokens, extra_id, extra_q)
 
 
 def blockwise_argmax(row: Tensor, block: int = ARGMAX_BLOCK) -> Tensor:
@@ -221,6 +333,16 @@ def draw_from_row(row: Tensor, uniform: Tensor) -> Tensor:
     token = torch.searchsorted(cdf, (uniform * cdf[-1])[None], right=True)[0]
     token = token.clamp(max=row.shape[0] - 1)
     return torch.where(row.index_select(0, token[None])[0] > 0, token, blockwise_argmax(row))
+
+
+def draw_from_row_on_host(row: Tensor, uniform: float) -> int:
+    """:func:`draw_from_row`'s token, read on the host: the row's maximum is computed only in the
+    rare case that needs it (the inverse CDF landing on a zero entry), not at every draw. For
+    eager code on a CPU, where a host read costs nothing."""
+    cdf = row.cumsum(0)
+    token = min(int(torch.searchsorted(cdf, (uniform * cdf[-1])[None], right=True)[0]),
+                row.shape[0] - 1)
+    return token if float(row[token]) > 0 else int(blockwise_argmax(row))
 
 
 def greedy_batch_outcomes(window: int, logits: Tensor, at: Sequence[int],

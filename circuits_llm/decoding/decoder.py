@@ -72,7 +72,7 @@ from circuits_llm.decoding.inputs import check_draft_tokens, head_parameters
 from circuits_llm.decoding.lookup import ContextLookup, LookupIndex, unpack
 from circuits_llm.decoding.metrics import DecodeResult, RoundKind, RoundStats
 from circuits_llm.decoding.respelling import DraftRespeller
-from circuits_llm.decoding.round import RoundProgram
+from circuits_llm.decoding.round import RoundProgram, SampledAccept
 from circuits_llm.decoding.round_data import DraftResult, RoundOutcome
 from circuits_llm.decoding.stopping import StopCondition
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig, target_probs
@@ -152,6 +152,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             circuit head still drafts its window and verifies at most that many. Combines with
             ``draft_length`` (the smaller ``L`` wins) and keeps the law exact (that module).
             ``None`` (default): the rule's ``L``.
+        sampled_accept: how a sampled round's accept computes the target's law, with the same
+            decisions either way (:class:`~circuits_llm.decoding.round.SampledAccept`; ``AUTO``:
+            row by row, eager, on a CPU; the whole window, compiled with ``compile``, elsewhere).
     """
 
     def __init__(self, backbone: Backbone | object, head: DraftHead | ContextDrafter, *,
@@ -160,7 +163,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
                  draft_length: DraftLength | None = None,
                  constrained_drafting: ConstrainedDrafting = ConstrainedDrafting.PRODUCT,
                  lookup: ContextLookup | None = None, respell_greedy_drafts: bool = True,
-                 draft_depth: AdaptiveDepth | None = None) -> None:
+                 draft_depth: AdaptiveDepth | None = None,
+                 sampled_accept: SampledAccept = SampledAccept.AUTO) -> None:
         rule = DraftLength.fixed() if draft_length is None else draft_length
         if not isinstance(rule, DraftLength):
             raise DecoderError(f"draft_length must be a circuits_llm.decoding.draft_length."
@@ -202,6 +206,9 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if lookup is not None and not isinstance(lookup, ContextLookup):
             raise DecoderError(f"lookup must be None or a circuits_llm.decoding.lookup."
                                f"ContextLookup, got {lookup!r}")
+        if not isinstance(sampled_accept, SampledAccept):
+            raise DecoderError(f"sampled_accept must be a SampledAccept, got {sampled_accept!r}")
+        self.sampled_accept = sampled_accept
         if not isinstance(respell_greedy_drafts, bool):
             raise DecoderError(f"respell_greedy_drafts must be a bool, got "
                                f"{respell_greedy_drafts!r}")
@@ -269,6 +276,7 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             program = self._programs[config] = RoundProgram(
                 self.head, config, compile=self.compile, compiler=self._compiler,
                 draft_length=self.draft_length, lookup=self.lookup)
+        program.use_sampled_accept(self.sampled_accept, self.device)
         return program
 
     def _batch_drafter(self) -> SpeculativeRows:

@@ -14,7 +14,10 @@ the proof) is split at the backbone call:
 3. :meth:`RoundProgram.accept`: the verifier's logits -> how many drafts were accepted, the
    emitted token, and the validity flags, vectorised over the window (residuals, bonus token);
    ``L`` is a tensor input and the positions after it are masked (never accepted; the bonus
-   token comes from ``p_{L+1}``), so one graph serves every ``L``.
+   token comes from ``p_{L+1}``), so one graph serves every ``L``. A sampled round on a CPU is
+   accepted row by row instead (:class:`~circuits_llm.decoding.acceptance.SampledAccept`: eager,
+   one host read per test, the target's rows up to the first rejection only), with the same
+   decisions.
 
 Every tensor shape depends only on (window, draft vocabulary, model vocabulary, circuit
 structure): no ``.item()``, no data-dependent shapes, no Python branch on a tensor value. So
@@ -59,7 +62,13 @@ from circuits.compiled.prepared import Trace
 from circuits.compiled.queries import row_conditionals
 from circuits.compiled.sampling import argmax_chooser, descend
 from circuits.kernels import GumbelChooser, use_backend
-from circuits_llm.decoding.acceptance import draw_from_row, round_decisions
+from circuits_llm.decoding.acceptance import (
+    SampledAccept,
+    draw_from_row,
+    draw_from_row_on_host,
+    round_decisions,
+    row_by_row_decisions,
+)
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup, mixed_conditionals, overlay
 from circuits_llm.decoding.round_data import DraftResult, RoundOutcome, UniformTape
@@ -70,7 +79,7 @@ from circuits_llm.runtime.compiling import CompiledProgram, Compiler
 #: compiled programs (head x configuration) one process can hold before Dynamo recompiles stop
 MAX_PROGRAMS = 64
 
-__all__ = ["AcceptProgram", "RoundProgram"]
+__all__ = ["AcceptProgram", "RoundProgram", "SampledAccept"]
 
 
 def _usable(raw: Tensor) -> Tensor:
@@ -113,17 +122,31 @@ class AcceptProgram:
             position[self.draft_tokens] = torch.arange(self.draft_tokens.numel(), device=device)
             self.position = position
         self.compiled = compile
+        #: how a sampled round's accept runs (:meth:`use_sampled_accept`)
+        self.sampled_accept = SampledAccept.AUTO.resolve(device)
         self._accept: Callable[..., Tensor] = self._accept_program
         if compile:
             self._accept = CompiledProgram(self._accept_program, name=f"accept program ({label})",
                                            device=device, compiler=compiler)
+
+    def use_sampled_accept(self, mode: SampledAccept, device: torch.device) -> None:
+        """Run sampled rounds' accepts as ``mode`` says on ``device`` (:class:`SampledAccept`;
+        greedy rounds are unaffected)."""
+        if not isinstance(mode, SampledAccept):
+            raise DecoderError(f"sampled_accept must be a SampledAccept, got {mode!r}")
+        self.sampled_accept = mode.resolve(device)
 
     def accept(self, logits: Tensor, draft: DraftResult, uniforms: Tensor | None) -> Tensor:
         """The verifier's ``logits`` (L+1, V) for the block ``[c, d_1..d_L]`` -> one long tensor
         holding, in order, the draft tokens (n-1), ``L``, the accepted count, the emitted token,
         and the head, verifier and evidence flags: everything :meth:`outcome` reads in the round's
         one host transfer. Fewer than ``n`` rows are padded to ``n`` (rows the program masks), so
-        the accept program has one shape whatever ``L``."""
+        the accept program has one shape whatever ``L``. A sampled round decided
+        :attr:`SampledAccept.ROW_BY_ROW` returns the same tensor, built on the host."""
+        if uniforms is not None and draft.q is not None \
+                and self.sampled_accept is SampledAccept.ROW_BY_ROW:
+            with torch.no_grad():
+                return self._accept_row_by_row(logits, draft, uniforms)
         with torch.no_grad():
             missing = self.window - logits.shape[0]
             if missing:
@@ -172,6 +195,24 @@ class AcceptProgram:
         tests = uniforms[-self.window:]
         accepted, row = self._decide(p, q, tokens, tests[:drafted], length, extra)
         return accepted, draw_from_row(row, tests[drafted]), ok
+
+    def _accept_row_by_row(self, logits: Tensor, draft: DraftResult, uniforms: Tensor) -> Tensor:
+        """:meth:`accept` of a sampled round, eager, one target row at a time
+        (:func:`~circuits_llm.decoding.acceptance.row_by_row_decisions`): the same decisions and
+        flags as the whole-window program from the same uniforms."""
+        assert draft.q is not None
+        drafted = self.window - 1
+        length = drafted if draft.length is None else int(draft.length)
+        warped = warp_logits(logits[:length + 1], self.config)
+        ok = bool(torch.isfinite(warped.amax(-1)).all())
+        tests = uniforms[-self.window:]
+        accepted, row = row_by_row_decisions(warped, draft.q, draft.tokens, tests[:drafted],
+                                             length, self.position, self.draft_tokens,
+                                             draft.extra)
+        token = draw_from_row_on_host(row, float(tests[drafted]))
+        flags = [bool(draft.head_ok), ok, bool(draft.possible)]
+        return torch.tensor([*draft.tokens.tolist(), length, accepted, token, *flags],
+                            dtype=torch.long)
 
     def _verified_rows(self, logits: Tensor, length: Tensor | int | None) -> Tensor:
         """(n,) bool: the verifier rows of the block ``[c, d_1..d_L]`` (the first ``L + 1``; the

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_llm.decoding.acceptance import draw_from_row
+from circuits_llm.decoding.acceptance import draw_from_row, draw_from_row_on_host
 from circuits_llm.decoding.constrained import ConstraintTracker
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup, mixed_conditionals, unpack
@@ -102,7 +102,11 @@ def draw_step(logits: Tensor, config: SamplingConfig, uniforms: Tensor | None,
     else:
         assert law is not None
         rows, draws = law.reshape(-1, law.shape[-1]), uniforms.reshape(-1)
-        index = torch.stack([draw_from_row(rows[i], draws[i]) for i in range(len(draws))])
+        if law.device.type == "cpu":  # the same tokens, without a maximum at every draw
+            index = torch.tensor([draw_from_row_on_host(rows[i], float(draws[i]))
+                                  for i in range(len(draws))])
+        else:
+            index = torch.stack([draw_from_row(rows[i], draws[i]) for i in range(len(draws))])
         index = index.reshape(uniforms.shape)
     token = index if draft_tokens is None else draft_tokens.to(index.device)[index]
     return index, token, law
@@ -400,7 +404,8 @@ class BlockRoundProgram(AcceptProgram):
             block = torch.cat([c.to(tokens.device), tokens])[None]
             head_ok = torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool,
                                                                            device=device)
-            if component is not None and q is not None:
+            if component is not None and q is not None and count > 0 \
+                    and float(unpack(component)[2]) > 0:  # else the mixture is q itself
                 q = mixed_conditionals(q, indices, component.to(device))
             length = self.draft_length.decide(q, indices)
             possible = torch.ones((), dtype=torch.bool, device=device)
