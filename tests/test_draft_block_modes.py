@@ -131,6 +131,34 @@ def test_recursive_block_greedy_equals_generate(mode: str) -> None:
         assert len(drafted - {0}) >= 2, drafted
 
 
+@pytest.mark.parametrize("lookup", [None, LOOKUP], ids=["alone", "lookup"])
+def test_a_greedy_exit_stops_unsure_rounds_and_keeps_the_output(lookup: ContextLookup | None
+                                                                 ) -> None:
+    """With ``greedy_exit`` a greedy round stops drafting after a draft whose law gives its argmax
+    less than the threshold: fewer drafts in some rounds, the same tokens as ``generate``, and a
+    threshold no law reaches drafts no deeper than the first draft (a negative control: without
+    the exit the rounds draft the whole window)."""
+    block = perturbed_block(MODEL, steps=3, draft_vocab=COMPRESSED)
+    depths = {}
+    for exit_below in (None, 0.2, 0.999):
+        decoder = SpeculativeDecoder(MODEL, BlockDrafter(block, greedy_exit=exit_below),
+                                     lookup=lookup)
+        drafted = []
+        for prompt, count in CASES:
+            result = decoder.generate(prompt, count, eos_token_id=())
+            assert result.tokens.tolist() == _generate(MODEL, prompt, count)
+            drafted += [r.drafted for r in result.rounds if r.drafted]
+        depths[exit_below] = drafted
+    assert max(depths[None]) == 3 and max(depths[0.2]) <= 3
+    assert sum(depths[0.2]) < sum(depths[None])
+    if lookup is None:  # every round's first draft is its own: the exit stops after it
+        assert set(depths[0.999]) == {1}
+    with pytest.raises(DraftBlockError, match="greedy_exit must be None or a probability"):
+        BlockDrafter(block, greedy_exit=1.0)
+    with pytest.raises(DraftBlockError, match="greedy_exit must be None or a probability"):
+        BlockDrafter(block, greedy_exit=True)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("batch", [False, True], ids=["one-prompt", "batch"])
 def test_greedy_copied_drafts_skip_the_readout_and_draft_the_same(
         batch: bool, monkeypatch: pytest.MonkeyPatch) -> None:

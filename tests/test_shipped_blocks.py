@@ -31,6 +31,7 @@ from circuits_llm.app.demo import DemoError
 from circuits_llm.app.demo_blocks import block_decoders, block_window, find_blocks, load_blocks
 from circuits_llm.app.shipping import ship_block, write_shipped_block
 from circuits_llm.app.verify_packing import (
+    FLAT_VERIFY_GREEDY_EXIT,
     FLAT_VERIFY_GREEDY_STEPS,
     FLAT_VERIFY_SAMPLED_STEPS,
     Precision,
@@ -140,12 +141,14 @@ def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -
     load = shipping_module.load_shipped_drafter
     deep = load(shipped, toy["model"], precision=Precision.BFLOAT16)
     assert (deep.window, deep.sampled_steps) == (FLAT_VERIFY_GREEDY_STEPS + 1, 3)
+    assert deep.greedy_exit == FLAT_VERIFY_GREEDY_EXIT  # deep greedy rounds stop when unsure
     assert deep.batch_most == 3  # a batch drafts at most the shipped depth
     for precision in (Precision.FLOAT32, None):
         plain = load(shipped, toy["model"], precision=precision)
         assert (plain.window, plain.sampled_steps, plain.batch_most) == (4, None, 3)
+        assert plain.greedy_exit is None
     given = load(shipped, toy["model"], 2, precision=Precision.BFLOAT16)
-    assert (given.window, given.sampled_steps) == (3, None)
+    assert (given.window, given.sampled_steps, given.greedy_exit) == (3, None, None)
     assert recursive_depths(Precision.BFLOAT16, 12) == (12, None)
     assert recursive_depths(Precision.BFLOAT16, 5) == (FLAT_VERIFY_GREEDY_STEPS, 4)  # SmolLM2's
     assert recursive_depths(Precision.FLOAT32, 5) == (5, None)

@@ -32,7 +32,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from circuits_llm.app.verify_packing import Precision, recursive_depths
+from circuits_llm.app.verify_packing import FLAT_VERIFY_GREEDY_EXIT, Precision, recursive_depths
 from circuits_llm.draft_block import (
     BlockCircuitDrafter,
     BlockDrafter,
@@ -294,7 +294,8 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
     depth measured fastest when it was shipped, else the block's trained depth; with the resolved
     ``precision`` the decoders run in, that depth as
     :func:`~circuits_llm.app.verify_packing.recursive_depths` sets it for greedy and sampled
-    rounds). The drafter
+    rounds; where that deepens greedy rounds, they stop drafting after an unsure draft,
+    :data:`~circuits_llm.app.verify_packing.FLAT_VERIFY_GREEDY_EXIT`). The drafter
     holds the block's projections as ``weights`` says
     (:class:`~circuits_llm.draft_block.weights.DraftWeights`).
 
@@ -313,13 +314,15 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
         raise ShippedHeadError(f"the shipped draft block {shipped.name} cannot be loaded "
                                f"({error}); reinstall circuits-llm") from None
     if shipped.layout is ShippedLayout.BLOCK:
-        sampled = None
+        sampled = exit_below = None
         if steps is None:
             steps = shipped.manifest.get("draft_steps") or block.steps
             if precision is not None:
                 steps, sampled = recursive_depths(precision, int(steps))
+                exit_below = None if sampled is None else FLAT_VERIFY_GREEDY_EXIT
         try:
-            return BlockDrafter(block, steps, weights=weights, sampled_steps=sampled)
+            return BlockDrafter(block, steps, weights=weights, sampled_steps=sampled,
+                                greedy_exit=exit_below)
         except DraftBlockError as error:
             raise ShippedHeadError(str(error)) from None
     if steps is not None:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLAT_VERIFY_GREEDY_STEPS", "Precision", "decode_model", "pack_for_verify_blocks",
-           "recursive_depths"]
+__all__ = ["FLAT_VERIFY_GREEDY_EXIT", "FLAT_VERIFY_GREEDY_STEPS", "Precision", "decode_model",
+           "pack_for_verify_blocks", "recursive_depths"]
 
 
 class Precision(Enum):
@@ -61,6 +61,10 @@ FLAT_VERIFY_GREEDY_STEPS = 9
 #: 18, AMD EPYC, 6 prompts x 128 tokens x 2 seeds: 3 / 4 / 5 drafts 1.52x / 1.51x / 1.43x plain
 #: decoding at 1.81 / 1.90 / 1.91 tokens a round)
 FLAT_VERIFY_SAMPLED_STEPS = 4
+#: where a greedy round drafts that deep, it stops drafting after a draft to which the block gives
+#: its argmax less than this probability (``BlockDrafter(greedy_exit=)``; journal section 20,
+#: AMD EPYC: chat prompts 1.01-1.09x -> 1.12-1.17x plain decoding, code within the noise)
+FLAT_VERIFY_GREEDY_EXIT = 0.3
 
 
 def recursive_depths(precision: Precision, shipped_steps: int) -> tuple[int, int | None]:
