@@ -21,12 +21,12 @@ import torch
 from torch import Tensor
 
 from circuits_llm.decoding.round_data import DraftResult, RoundOutcome
-from circuits_llm.decoding.warping import DecoderError
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
 
 __all__ = ["CorrectionPolicy", "RoundLaw", "SampledAccept", "Transition", "acceptance_ratios",
            "blockwise_argmax", "drafted_conditionals", "draw_from_row", "draw_from_row_on_host",
-           "residual_law", "round_decisions", "round_law", "row_by_row_decisions", "transition",
-           "usable_conditionals", "usable_row"]
+           "residual_law", "round_decisions", "round_law", "row_by_row_decisions",
+           "row_by_row_outcome", "transition", "usable_conditionals", "usable_row"]
 
 #: block length of :func:`blockwise_argmax`
 ARGMAX_BLOCK = 256
@@ -301,6 +301,35 @@ def row_by_row_decisions(warped: Tensor, q: Tensor, tokens: Tensor, tests: Tenso
         q_row, extra_q = q_row[:-1], q_row[-1:]
         extra_id = extra[accepted:accepted + 1]
     return accepted, residual_law(p_row, q_row, draft_tokens, extra_id, extra_q)
+
+
+def row_by_row_outcome(logits: Tensor, draft: DraftResult, uniforms: Tensor,
+                       config: SamplingConfig, window: int, position: Tensor | None,
+                       draft_tokens: Tensor | None) -> Tensor:
+    """A sampled round's accept with :func:`row_by_row_decisions`, packed as the accept program
+    packs its own (:meth:`~circuits_llm.decoding.round.AcceptProgram.accept`: the drafts, ``L``,
+    the accepted count, the emitted token, the head, verifier and evidence flags), built on the
+    host: the same tensor as the whole-window program's from the same uniforms.
+
+    Args:
+        logits: (L+1, V) the verifier's logits for ``[c, d_1..d_L]``.
+        draft: the round's :class:`~circuits_llm.decoding.round_data.DraftResult` (with ``q``).
+        uniforms: the round's tape; its last ``window`` entries are the tests and the draw's.
+        config: the sampling configuration; ``window``: ``n``.
+        position, draft_tokens: as for :func:`round_decisions`.
+    """
+    assert draft.q is not None
+    drafted = window - 1
+    length = drafted if draft.length is None else int(draft.length)
+    warped = warp_logits(logits[:length + 1], config)
+    ok = bool(torch.isfinite(warped.amax(-1)).all())
+    tests = uniforms[-window:]
+    accepted, row = row_by_row_decisions(warped, draft.q, draft.tokens, tests[:drafted], length,
+                                         position, draft_tokens, draft.extra)
+    token = draw_from_row_on_host(row, float(tests[drafted]))
+    flags = [bool(draft.head_ok), ok, bool(draft.possible)]
+    return torch.tensor([*draft.tokens.tolist(), length, accepted, token, *flags],
+                        dtype=torch.long)
 
 
 def blockwise_argmax(row: Tensor, block: int = ARGMAX_BLOCK) -> Tensor:

@@ -65,9 +65,8 @@ from circuits.kernels import GumbelChooser, use_backend
 from circuits_llm.decoding.acceptance import (
     SampledAccept,
     draw_from_row,
-    draw_from_row_on_host,
     round_decisions,
-    row_by_row_decisions,
+    row_by_row_outcome,
 )
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup, mixed_conditionals, overlay
@@ -146,7 +145,8 @@ class AcceptProgram:
         if uniforms is not None and draft.q is not None \
                 and self.sampled_accept is SampledAccept.ROW_BY_ROW:
             with torch.no_grad():
-                return self._accept_row_by_row(logits, draft, uniforms)
+                return row_by_row_outcome(logits, draft, uniforms, self.config, self.window,
+                                          self.position, self.draft_tokens)
         with torch.no_grad():
             missing = self.window - logits.shape[0]
             if missing:
@@ -195,24 +195,6 @@ class AcceptProgram:
         tests = uniforms[-self.window:]
         accepted, row = self._decide(p, q, tokens, tests[:drafted], length, extra)
         return accepted, draw_from_row(row, tests[drafted]), ok
-
-    def _accept_row_by_row(self, logits: Tensor, draft: DraftResult, uniforms: Tensor) -> Tensor:
-        """:meth:`accept` of a sampled round, eager, one target row at a time
-        (:func:`~circuits_llm.decoding.acceptance.row_by_row_decisions`): the same decisions and
-        flags as the whole-window program from the same uniforms."""
-        assert draft.q is not None
-        drafted = self.window - 1
-        length = drafted if draft.length is None else int(draft.length)
-        warped = warp_logits(logits[:length + 1], self.config)
-        ok = bool(torch.isfinite(warped.amax(-1)).all())
-        tests = uniforms[-self.window:]
-        accepted, row = row_by_row_decisions(warped, draft.q, draft.tokens, tests[:drafted],
-                                             length, self.position, self.draft_tokens,
-                                             draft.extra)
-        token = draw_from_row_on_host(row, float(tests[drafted]))
-        flags = [bool(draft.head_ok), ok, bool(draft.possible)]
-        return torch.tensor([*draft.tokens.tolist(), length, accepted, token, *flags],
-                            dtype=torch.long)
 
     def _verified_rows(self, logits: Tensor, length: Tensor | int | None) -> Tensor:
         """(n,) bool: the verifier rows of the block ``[c, d_1..d_L]`` (the first ``L + 1``; the
