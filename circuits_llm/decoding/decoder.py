@@ -268,15 +268,17 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         """The round's draft/accept programs for ``config``: built (and compiled) once per
         configuration, since warping and greedy/sampling are part of the program."""
         program = self._programs.get(config)
-        if program is None and self._context_drafter is not None:
-            program = self._programs[config] = context_drafting.drafter_program(
-                self._context_drafter, config, compile=self.compile, compiler=self._compiler,
-                draft_length=self.draft_length, lookup=self.lookup)
         if program is None:
-            program = self._programs[config] = RoundProgram(
-                self.head, config, compile=self.compile, compiler=self._compiler,
-                draft_length=self.draft_length, lookup=self.lookup)
-        program.use_sampled_accept(self.sampled_accept, self.device)
+            if self._context_drafter is None:
+                program = RoundProgram(self.head, config, compile=self.compile,
+                                       compiler=self._compiler, draft_length=self.draft_length,
+                                       lookup=self.lookup)
+            else:
+                program = context_drafting.drafter_program(
+                    self._context_drafter, config, compile=self.compile,
+                    compiler=self._compiler, draft_length=self.draft_length, lookup=self.lookup)
+            program.use_sampled_accept(self.sampled_accept, self.device)
+            self._programs[config] = program
         return program
 
     def _batch_drafter(self) -> SpeculativeRows:
