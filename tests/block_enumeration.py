@@ -124,7 +124,8 @@ def recursive_law(block: DraftBlock, model: LlamaForCausalLM, prompt: Sequence[i
                   automaton: TokenAutomaton | None = None,
                   drafting: ConstrainedDrafting = ConstrainedDrafting.PRODUCT,
                   lookup: ContextLookup | None = None, wrong_q: bool = False,
-                  lengths: list[int] | None = None) -> Law:
+                  lengths: list[int] | None = None, exit_below: float | None = None,
+                  exit_by_component: bool = False) -> Law:
     """The recursive block's law, enumerated: each step's law ``h_k`` from a fresh prefill of the
     block and the recursion's own steps (under a constraint with ``PRODUCT`` drafting restricted
     to the allowed draft-vocabulary tokens and renormalised, the recursion stopping before a state
@@ -138,7 +139,14 @@ def recursive_law(block: DraftBlock, model: LlamaForCausalLM, prompt: Sequence[i
 
     ``wrong_q`` (the negative controls): accepted with the recursion's own ``h`` (with a copy),
     the unrestricted law (under ``PRODUCT``), or the block's readout of the backbone's feature
-    instead of its own output. ``lengths`` collects every draft's verified length."""
+    instead of its own output. ``lengths`` collects every draft's verified length.
+
+    ``exit_below`` (``BlockDrafter(sampled_exit=)``): a round stops drafting after a draft whose
+    step law (the block's, unwarped, restricted under ``PRODUCT``) gives its argmax less than
+    this, unless the drafts so far follow the copy's proposal; each component's mass goes to the
+    prefix where it stops, and ``q`` stays the mixture's conditionals. ``exit_by_component`` (the
+    negative control): the exit spares the drafts the copy *chose* instead, a rule that reads
+    which component drew them, under which that ``q`` is no longer the law of the next draft."""
     ids = torch.arange(model.config.vocab_size) if block.draft_tokens is None \
         else block.draft_tokens
     window, vocab, size = block.window, model.config.vocab_size, len(ids)
@@ -166,10 +174,10 @@ def recursive_law(block: DraftBlock, model: LlamaForCausalLM, prompt: Sequence[i
         first, feature, _ = fresh_first_step(block, model, sequence, drafter)
         with torch.no_grad():  # a negative control's law: the block's readout of the feature
             stale = law_of(block.logits(feature)[0])
-        paths: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = []
+        paths: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[float]]] = []
 
         def expand(output: torch.Tensor, index: list[int], rows: list[torch.Tensor],
-                   wrong: list[torch.Tensor], state: int) -> None:
+                   wrong: list[torch.Tensor], state: int, peaks: list[float]) -> None:
             step = len(index)
             if step < window - 1:
                 with torch.no_grad():
@@ -178,7 +186,9 @@ def recursive_law(block: DraftBlock, model: LlamaForCausalLM, prompt: Sequence[i
                 if restrict:
                     allowed = torch.isin(ids, automaton.allowed(state))  # type: ignore[union-attr]
                 if bool(allowed.any()):
-                    law = law_of(logits.masked_fill(~allowed, float("-inf")))
+                    masked = logits.masked_fill(~allowed, float("-inf"))
+                    law = law_of(masked)
+                    peak = float(torch.softmax(masked.double(), -1).max())  # unwarped
                     other = law_of(logits) if restrict else stale
                     for x in allowed.nonzero()[:, 0].tolist():  # every allowed token: the copy's too
                         token = int(ids[x])
@@ -188,27 +198,45 @@ def recursive_law(block: DraftBlock, model: LlamaForCausalLM, prompt: Sequence[i
                             drafter.cache.truncate(drafter.length + step)
                             with torch.no_grad():
                                 nxt = drafter.next_step(output, torch.tensor([token]))
-                        expand(nxt, [*index, x], [*rows, law], [*wrong, other], after)
+                        expand(nxt, [*index, x], [*rows, law], [*wrong, other], after,
+                               [*peaks, peak])
                     return
-            paths.append((index, rows, wrong))
+            paths.append((index, rows, wrong, peaks))
 
-        expand(first, [], [], [], state)
+        expand(first, [], [], [], state, [])
         copy, weight = copy_of(sequence, state)
 
-        def mass(index: list[int], rows: list[torch.Tensor]) -> float:
+        def masses(index: list[int], rows: list[torch.Tensor]) -> tuple[float, float]:
+            """The whole path's mass under the recursion and under the copy."""
             drawn = [float(row[x]) for row, x in zip(rows, index, strict=True)]
             own = float(torch.tensor(drawn, dtype=torch.float64).prod())
             copied = index[:len(copy)] == copy and len(index) >= len(copy)
             tail = float(torch.tensor(drawn[len(copy):], dtype=torch.float64).prod())
-            return (1 - weight) * own + (weight * tail if copied else 0.0)
+            return (1 - weight) * own, (weight * tail if copied else 0.0)
 
-        masses = [mass(index, rows) for index, rows, _ in paths]
+        def stop(index: list[int], peaks: list[float], chose_copy: bool) -> int:
+            """The drafts a round of this path draws before its exit."""
+            for k in range(len(index) - 1):
+                spared = (chose_copy and k < len(copy)) if exit_by_component else \
+                    (k < len(copy) and index[:k + 1] == copy[:k + 1])
+                if exit_below is not None and not spared and peaks[k] < exit_below:
+                    return k + 1
+            return len(index)
+
         prefix: dict[tuple[int, ...], float] = defaultdict(float)
-        for (index, _, _), m in zip(paths, masses, strict=True):
+        stopped: dict[tuple[int, ...], float] = defaultdict(float)  # mass by drafted prefix
+        kept: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for index, rows, wrong, peaks in paths:
+            own, copied = masses(index, rows)
             for k in range(len(index) + 1):
-                prefix[tuple(index[:k])] += m
+                prefix[tuple(index[:k])] += own + copied
+            for m, chose_copy in ((own, False), (copied, True)):
+                reach = stop(index, peaks, chose_copy)
+                stopped[tuple(index[:reach])] += m
+                kept[tuple(index[:reach])] = (rows[:reach], wrong[:reach])
         leaves: Drafts = []
-        for (index, rows, wrong), m in zip(paths, masses, strict=True):
+        for drafted, m in stopped.items():
+            index, (rows, wrong) = list(drafted), kept[drafted]
             if m <= 0:
                 continue
             reachable, pad = len(index), window - 1 - len(index)

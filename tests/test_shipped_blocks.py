@@ -33,6 +33,7 @@ from circuits_llm.app.shipping import ship_block, write_shipped_block
 from circuits_llm.app.verify_packing import (
     FLAT_VERIFY_GREEDY_EXIT,
     FLAT_VERIFY_GREEDY_STEPS,
+    FLAT_VERIFY_SAMPLED_EXIT,
     FLAT_VERIFY_SAMPLED_STEPS,
     Precision,
     recursive_depths,
@@ -142,13 +143,15 @@ def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -
     deep = load(shipped, toy["model"], precision=Precision.BFLOAT16)
     assert (deep.window, deep.sampled_steps) == (FLAT_VERIFY_GREEDY_STEPS + 1, 3)
     assert deep.greedy_exit == FLAT_VERIFY_GREEDY_EXIT  # deep greedy rounds stop when unsure
+    assert deep.sampled_exit == FLAT_VERIFY_SAMPLED_EXIT  # and so do sampled ones
     assert deep.batch_most == 3  # a batch drafts at most the shipped depth
     for precision in (Precision.FLOAT32, None):
         plain = load(shipped, toy["model"], precision=precision)
         assert (plain.window, plain.sampled_steps, plain.batch_most) == (4, None, 3)
-        assert plain.greedy_exit is None
+        assert plain.greedy_exit is None and plain.sampled_exit is None
     given = load(shipped, toy["model"], 2, precision=Precision.BFLOAT16)
-    assert (given.window, given.sampled_steps, given.greedy_exit) == (3, None, None)
+    assert (given.window, given.sampled_steps, given.greedy_exit, given.sampled_exit) == \
+        (3, None, None, None)
     assert recursive_depths(Precision.BFLOAT16, 12) == (12, None)
     assert recursive_depths(Precision.BFLOAT16, 5) == (FLAT_VERIFY_GREEDY_STEPS, 4)  # SmolLM2's
     assert recursive_depths(Precision.FLOAT32, 5) == (5, None)

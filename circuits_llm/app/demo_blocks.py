@@ -150,9 +150,12 @@ def describe_block(ready: ReadyBlock, unit: TokenUnit) -> str:
         on_top = f", a {head['kind']} head of window {head['window']} on its output{steps}"
     else:
         on_top = f", {r['window'] - 1} recursive drafts a round"
-        exit_below = getattr(ready.drafter, "greedy_exit", None)
-        if exit_below is not None:
-            on_top += f" (a greedy round stops after a draft it gives under {exit_below:.0%})"
+        exits = [f"a {mode} round stops after a draft it gives under {value:.0%}"
+                 for mode, value in (("greedy", getattr(ready.drafter, "greedy_exit", None)),
+                                     ("sampled", getattr(ready.drafter, "sampled_exit", None)))
+                 if value is not None]
+        if exits:
+            on_top += f" ({'; '.join(exits)})"
     return (f"draft block {ready.name}: shipped ({r['shipped_as']}), {r['parameters']:,} "
             f"parameters{on_top} (the block: {r['steps']} steps, {r['train_wall_s']:.0f} s of "
             f"training{bits}) in {r['run_dir']}")

@@ -32,7 +32,12 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from circuits_llm.app.verify_packing import FLAT_VERIFY_GREEDY_EXIT, Precision, recursive_depths
+from circuits_llm.app.verify_packing import (
+    FLAT_VERIFY_GREEDY_EXIT,
+    FLAT_VERIFY_SAMPLED_EXIT,
+    Precision,
+    recursive_depths,
+)
 from circuits_llm.draft_block import (
     BlockCircuitDrafter,
     BlockDrafter,
@@ -294,8 +299,9 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
     depth measured fastest when it was shipped, else the block's trained depth; with the resolved
     ``precision`` the decoders run in, that depth as
     :func:`~circuits_llm.app.verify_packing.recursive_depths` sets it for greedy and sampled
-    rounds; where that deepens greedy rounds, they stop drafting after an unsure draft,
-    :data:`~circuits_llm.app.verify_packing.FLAT_VERIFY_GREEDY_EXIT`). The drafter
+    rounds; where that deepens greedy rounds, both stop drafting after an unsure draft,
+    :data:`~circuits_llm.app.verify_packing.FLAT_VERIFY_GREEDY_EXIT` and
+    :data:`~circuits_llm.app.verify_packing.FLAT_VERIFY_SAMPLED_EXIT`). The drafter
     holds the block's projections as ``weights`` says
     (:class:`~circuits_llm.draft_block.weights.DraftWeights`).
 
@@ -314,15 +320,16 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
         raise ShippedHeadError(f"the shipped draft block {shipped.name} cannot be loaded "
                                f"({error}); reinstall circuits-llm") from None
     if shipped.layout is ShippedLayout.BLOCK:
-        sampled = exit_below = None
+        sampled = greedy_exit = sampled_exit = None
         if steps is None:
             steps = shipped.manifest.get("draft_steps") or block.steps
             if precision is not None:
                 steps, sampled = recursive_depths(precision, int(steps))
-                exit_below = None if sampled is None else FLAT_VERIFY_GREEDY_EXIT
+                if sampled is not None:
+                    greedy_exit, sampled_exit = FLAT_VERIFY_GREEDY_EXIT, FLAT_VERIFY_SAMPLED_EXIT
         try:
             return BlockDrafter(block, steps, weights=weights, sampled_steps=sampled,
-                                greedy_exit=exit_below)
+                                greedy_exit=greedy_exit, sampled_exit=sampled_exit)
         except DraftBlockError as error:
             raise ShippedHeadError(str(error)) from None
     if steps is not None:

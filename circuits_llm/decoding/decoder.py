@@ -174,8 +174,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if isinstance(window, int) and not isinstance(window, bool) and window >= 2:
             rule.check(window)
             blocks = tuple(length + 1 for length in rule.lengths(window))
-            if draft_depth is not None:  # any depth 0..n-1 may be chosen
-                blocks = tuple(range(1, window + 1))
+            if draft_depth is not None or getattr(head, "stops_early", False):
+                blocks = tuple(range(1, window + 1))  # any depth 0..n-1 may be verified
         if draft_depth is not None and not isinstance(draft_depth, AdaptiveDepth):
             raise DecoderError(f"draft_depth must be None or a circuits_llm.decoding.draft_depth."
                                f"AdaptiveDepth, got {draft_depth!r}")

@@ -59,7 +59,8 @@ from circuits_llm.decoding.round_data import DraftResult
 from circuits_llm.decoding.warping import DecoderError, SamplingConfig
 from circuits_llm.draft_block.block import check_pairs
 from circuits_llm.draft_block.circuit_drafter import BlockCircuitDrafter, BlockCircuitRoundProgram
-from circuits_llm.draft_block.drafter import BlockDrafter, BlockRoundProgram, draw_step
+from circuits_llm.draft_block.drafter import BlockDrafter, BlockRoundProgram
+from circuits_llm.draft_block.draws import draw_step
 from circuits_llm.draft_block.follower import BlockCacheFollower
 from circuits_llm.draft_block.step import BlockKVCache
 
@@ -253,7 +254,7 @@ class RaggedBlockRows:
     into a padded one (which cost a batch of 4 as much drafting as 2 single prompts;
     docs/journal.md, section 17).
 
-    Each recursive step's draws are :func:`~circuits_llm.draft_block.drafter.draw_step` on the
+    Each recursive step's draws are :func:`~circuits_llm.draft_block.draws.draw_step` on the
     batched logits, shared with the single-prompt drafter.
 
     Args:

@@ -44,72 +44,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_llm.decoding.acceptance import draw_from_row, draw_from_row_on_host
 from circuits_llm.decoding.constrained import ConstraintTracker
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup, mixed_conditionals, unpack
 from circuits_llm.decoding.round import AcceptProgram
 from circuits_llm.decoding.round_data import DraftResult
-from circuits_llm.decoding.warping import DecoderError, SamplingConfig, warp_logits
+from circuits_llm.decoding.warping import DecoderError, SamplingConfig
 from circuits_llm.draft_block.batch_depth import BatchDepth
 from circuits_llm.draft_block.block import DraftBlock, DraftBlockError
+from circuits_llm.draft_block.draws import draw_step
 from circuits_llm.draft_block.follower import BlockCacheFollower
 from circuits_llm.draft_block.step import BlockStepMode
 from circuits_llm.draft_block.weights import DraftWeights
 from circuits_llm.runtime.compiling import Compiler
 
-__all__ = ["BlockDrafter", "BlockRoundProgram", "draft_law", "draw_step"]
-
-
-def draft_law(logits: Tensor, config: SamplingConfig) -> Tensor:
-    """The law a recursive draft is drawn from, given the block's ``logits`` (..., K) over the
-    draft vocabulary (``-inf`` where a constraint forbids): (..., K) float64, the warped softmax
-    when sampling, the plain softmax when greedy (what a draft-length rule reads; the greedy
-    draft is its argmax)."""
-    if config.greedy:
-        return torch.softmax(logits.double(), -1)
-    return torch.softmax(warp_logits(logits, config).double(), -1)
-
-
-def draw_step(logits: Tensor, config: SamplingConfig, uniforms: Tensor | None,
-              draft_tokens: Tensor | None, *, with_law: bool = False,
-              given: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One recursive step's draft for each row (``...``: () for one sequence, (B,) for a batch),
-    the step of :class:`BlockRoundProgram` and of the batch's ``RaggedBlockRows``.
-
-    Args:
-        logits: (..., K) the block's logits over the draft vocabulary.
-        config: the sampling configuration (greedy when ``temperature == 0``).
-        uniforms: (...) float64, each row's uniform for an inverse-CDF draw from its law
-            (:func:`draft_law`), or ``None`` when greedy (each row's argmax).
-        draft_tokens: (K,) the model ids of the draft vocabulary, or ``None`` (``K = V``).
-        with_law: return the law even when greedy (a draft-length rule reads it).
-        given: (...) long, indices decided elsewhere (the context copy's proposal, fed to the
-            block as drafts): no draw, only the law and the token mapping.
-
-    Returns:
-        ``(index, token, law)``: (...) long indices into the draft vocabulary, (...) long model
-        ids, and (..., K) float64 the law each was drawn from (``None`` when greedy and not
-        ``with_law``).
-    """
-    if given is None and (uniforms is None) != config.greedy:
-        raise DraftBlockError("a recursive draft takes uniforms exactly when sampling")
-    law = draft_law(logits, config) if with_law or uniforms is not None else None
-    if given is not None:
-        index = given
-    elif uniforms is None:
-        index = logits.argmax(-1)
-    else:
-        assert law is not None
-        rows, draws = law.reshape(-1, law.shape[-1]), uniforms.reshape(-1)
-        if law.device.type == "cpu":  # the same tokens, without a maximum at every draw
-            index = torch.tensor([draw_from_row_on_host(rows[i], float(draws[i]))
-                                  for i in range(len(draws))])
-        else:
-            index = torch.stack([draw_from_row(rows[i], draws[i]) for i in range(len(draws))])
-        index = index.reshape(uniforms.shape)
-    token = index if draft_tokens is None else draft_tokens.to(index.device)[index]
-    return index, token, law
+__all__ = ["BlockDrafter", "BlockRoundProgram"]
 
 
 class BlockDrafter(BlockCacheFollower):
@@ -143,11 +92,21 @@ class BlockDrafter(BlockCacheFollower):
             17-18: in bfloat16, 9 drafts greedy and 4 sampled).
         greedy_exit: a probability in (0, 1), or ``None`` (default: never): a greedy round of one
             prompt stops drafting after a draft to which the block gives its argmax less than
-            this (a draft the copy proposes never stops it). Greedy output is the argmax chain
+            this (never while the drafts follow the copy's proposal). Greedy output is the argmax chain
             whatever is drafted, so this only saves the readouts and steps of drafts that are
             rarely accepted: on text the block does not know, most of a deep window (journal
             section 20: chat prompts 1.01-1.09x -> 1.12-1.17x plain decoding at 0.3). One host
             read a step; a batch's rows draft to their depth as before.
+        sampled_exit: the same rule for a sampled round of one prompt (``None``, the default:
+            never). Where a round stops depends only on the drafts (the block's law at each is a
+            function of the drafts before it), never on the target's law nor on which of the
+            copy's mixture components drew them, so ``L`` stays a stopping time of the drafts and
+            the law stays exact (docs/decoder-exactness.md). The unsure draft is still verified;
+            the drafts after it are not drawn. A sampled draft is accepted with probability
+            ``sum min(p, q)``, which a flat ``q`` rarely makes large, and the drafts after a
+            rejected one are never read.
+
+    A round that stops early verifies only what it drafted (:meth:`BlockRoundProgram.verified`).
 
     Attributes:
         window: ``k + 1``: the verified token and the block's ``k`` recursive drafts.
@@ -161,14 +120,16 @@ class BlockDrafter(BlockCacheFollower):
                  step_mode: BlockStepMode = BlockStepMode.AUTO,
                  weights: DraftWeights = DraftWeights.AUTO,
                  batch_depth: BatchDepth | None = None,
-                 sampled_steps: int | None = None, greedy_exit: float | None = None) -> None:
+                 sampled_steps: int | None = None, greedy_exit: float | None = None,
+                 sampled_exit: float | None = None) -> None:
         super().__init__(block, step_mode, weights)
-        if greedy_exit is not None and (isinstance(greedy_exit, bool)
-                                        or not isinstance(greedy_exit, int | float)
-                                        or not 0.0 < greedy_exit < 1.0):
-            raise DraftBlockError(f"greedy_exit must be None or a probability in (0, 1), got "
-                                  f"{greedy_exit!r}")
+        for name, value in (("greedy_exit", greedy_exit), ("sampled_exit", sampled_exit)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not 0.0 < value < 1.0):
+                raise DraftBlockError(f"{name} must be None or a probability in (0, 1), got "
+                                      f"{value!r}")
         self.greedy_exit = greedy_exit
+        self.sampled_exit = sampled_exit
         if batch_depth is not None and not isinstance(batch_depth, BatchDepth):
             raise DraftBlockError(f"batch_depth must be a BatchDepth or None, got "
                                   f"{batch_depth!r}")
@@ -185,6 +146,17 @@ class BlockDrafter(BlockCacheFollower):
                                   f"drafts of a round), got {sampled_steps!r}")
         self.sampled_steps = sampled_steps
         self.draft_tokens: Tensor | None = block.draft_tokens
+
+    def exit_below(self, greedy: bool) -> float | None:
+        """The exit threshold of a greedy or a sampled round (``greedy_exit`` or
+        ``sampled_exit``; ``None``: the round drafts its whole window)."""
+        return self.greedy_exit if greedy else self.sampled_exit
+
+    @property
+    def stops_early(self) -> bool:
+        """Whether some round may verify fewer drafts than its window (an exit is set): the
+        decoder then prepares verify blocks of every length."""
+        return self.greedy_exit is not None or self.sampled_exit is not None
 
     @property
     def batch_most(self) -> int:
@@ -283,8 +255,11 @@ class BlockRoundProgram(AcceptProgram):
 
     def verified(self, draft: DraftResult) -> int:
         """``L`` on the host without a constraint: the rule's fixed number, or a read of
-        ``draft.length`` (under a constraint the decoder reads ``draft.length``)."""
-        if self.static_length is not None:
+        ``draft.length`` (under a constraint the decoder reads ``draft.length``). A round that
+        may stop early (the drafter's exit for this mode) is read too: the drafts it did not draw
+        are not verified."""
+        if self.static_length is not None and \
+                self.drafter.exit_below(self.config.greedy) is None:
             return self.static_length
         return self.window - 1 if draft.length is None else int(draft.length)
 
@@ -316,10 +291,11 @@ class BlockRoundProgram(AcceptProgram):
         return self._recurse(hidden, c, uniforms, constraint, component)
 
     def _unsure(self, logits: Tensor, step: int, limit: int) -> bool:
-        """Whether a greedy round stops drafting after this step's draft: with the drafter's
-        ``greedy_exit``, when the block's law (``logits`` (K,)) gives its argmax less than that
-        probability (not at the last draft, which ends the round anyway)."""
-        exit_below = self.drafter.greedy_exit
+        """Whether the round stops drafting after this step's draft: with the drafter's exit
+        for this mode (``greedy_exit`` or ``sampled_exit``), when the block's own law (``logits``
+        (K,), before any warping or mixture) gives its argmax less than that probability (not at
+        the last draft, which ends the round anyway). It reads nothing of the target."""
+        exit_below = self.drafter.exit_below(self.config.greedy)
         if exit_below is None or step == limit - 1:
             return False
         peak = torch.exp(logits.max().double() - torch.logsumexp(logits.double(), -1))
@@ -391,6 +367,10 @@ class BlockRoundProgram(AcceptProgram):
             q = torch.zeros(drafts, size, dtype=torch.float64, device=device) \
                 if wants_laws else None
             finite, reachable = [], limit
+            # an exit never stops a round while its drafts follow the copy's proposal (they cost
+            # no readout greedy, and are accepted in runs); a function of the drafts, not of which
+            # component drew them, so that L stays a stopping time of the drafts
+            exits, following = self.drafter.exit_below(greedy) is not None, count > 0
             state = -1 if constraint is None else constraint.state
             # greedy drafts the copy proposes need no logits (nothing reads them), and when the
             # proposal fills the round no later step needs the block's output either
@@ -421,9 +401,12 @@ class BlockRoundProgram(AcceptProgram):
                     q[step] = law
                 if constraint is not None:
                     state = constraint.automaton.advance(state, int(token))
-                if greedy and given is None and self._unsure(logits, step, limit):
-                    reachable = step + 1  # greedy: any drafts give the argmax chain
-                    break
+                if exits:
+                    following = following and step < count and (
+                        given is not None or int(index) == int(proposal[step]))
+                    if not following and self._unsure(logits, step, limit):
+                        reachable = step + 1
+                        break
                 if step < limit - 1:
                     output = self.drafter.next_step(output, token[None])
             tokens = indices if self.draft_tokens is None else self.draft_tokens[indices]
