@@ -31,9 +31,9 @@ from circuits_llm.app.demo import DemoError
 from circuits_llm.app.demo_blocks import block_decoders, block_window, find_blocks, load_blocks
 from circuits_llm.app.shipping import ship_block, write_shipped_block
 from circuits_llm.app.verify_packing import (
-    FLAT_VERIFY_GREEDY_EXIT,
+    CPU_GREEDY_EXIT,
+    CPU_SAMPLED_EXIT,
     FLAT_VERIFY_GREEDY_STEPS,
-    FLAT_VERIFY_SAMPLED_EXIT,
     FLAT_VERIFY_SAMPLED_STEPS,
     Precision,
     recursive_depths,
@@ -135,20 +135,23 @@ def test_shipped_drafters_decode_greedy_as_the_model(toy: dict, kind: str,
 
 def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -> None:
     """``recursive_depths``: in bfloat16 the shipped block drafts 9 a greedy round and at most its
-    shipped depth (3 here), at most 4, a sampled one; in float32 (or without a precision) the shipped depth
-    for both; a depth asked for explicitly is kept as given; a circuit on a block is untouched."""
+    shipped depth (3 here), at most 4, a sampled one; in float32 (or without a precision) the
+    shipped depth for both. With a precision (an eager backbone) on a CPU, rounds of either mode
+    stop after an unsure draft; without one (what a compiled backbone asks) they never do. A depth
+    asked for explicitly is kept as given, without exits; a circuit on a block is untouched."""
     shipped = hc.find_shipped_drafter(toy["model"], "block", toy["root"])
     assert shipped is not None
     load = shipping_module.load_shipped_drafter
     deep = load(shipped, toy["model"], precision=Precision.BFLOAT16)
     assert (deep.window, deep.sampled_steps) == (FLAT_VERIFY_GREEDY_STEPS + 1, 3)
-    assert deep.greedy_exit == FLAT_VERIFY_GREEDY_EXIT  # deep greedy rounds stop when unsure
-    assert deep.sampled_exit == FLAT_VERIFY_SAMPLED_EXIT  # and so do sampled ones
+    assert (deep.greedy_exit, deep.sampled_exit) == (CPU_GREEDY_EXIT, CPU_SAMPLED_EXIT)
     assert deep.batch_most == 3  # a batch drafts at most the shipped depth
     for precision in (Precision.FLOAT32, None):
         plain = load(shipped, toy["model"], precision=precision)
         assert (plain.window, plain.sampled_steps, plain.batch_most) == (4, None, 3)
-        assert plain.greedy_exit is None and plain.sampled_exit is None
+        exits = (plain.greedy_exit, plain.sampled_exit)
+        assert exits == ((None, None) if precision is None else
+                         (CPU_GREEDY_EXIT, CPU_SAMPLED_EXIT))
     given = load(shipped, toy["model"], 2, precision=Precision.BFLOAT16)
     assert (given.window, given.sampled_steps, given.greedy_exit, given.sampled_exit) == \
         (3, None, None, None)

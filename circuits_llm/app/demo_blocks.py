@@ -95,7 +95,8 @@ def load_blocks(found: Sequence[ShippedHead], loaded: Any, precision: Precision 
                 ) -> list[ReadyBlock]:
     """Each shipped block of ``found`` verified and loaded on ``loaded``'s model (a recursive one
     drafting as deep as :func:`~circuits_llm.app.verify_packing.recursive_depths` says for the
-    resolved ``precision`` the decoders run in)."""
+    resolved ``precision`` the decoders run in, and on a CPU stopping after an unsure draft;
+    ``None``, what compiled backbones take: as shipped)."""
     ready = []
     for shipped in found:
         drafter = load_shipped_drafter(shipped, loaded.model, precision=precision)

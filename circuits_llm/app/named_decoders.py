@@ -52,7 +52,8 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int 
     from; None when ``head`` names no block (a head kind, ``ar``, a head's directory). A
     recursive block drafts ``steps`` a round (``None``: its shipped or trained depth, a shipped
     one's as :func:`~circuits_llm.app.verify_packing.recursive_depths` sets it for the resolved
-    ``precision``); the drafter holds the block's projections as ``weights`` says.
+    ``precision``, and with a precision on a CPU its rounds stop after an unsure draft; ``None``
+    for a compiled backbone); the drafter holds the block's projections as ``weights`` says.
 
     Raises:
         NoHeadError: a block kind that no shipped block of the model has.
@@ -188,7 +189,9 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                             "--head other than ar, or leave --lookup out")
         model = _model_for(loaded, chosen, False, 1)
         return AutoregressiveDecoder(HFBackbone(model, compile=compile)), "autoregressive"
-    found = block_drafter(head, loaded, model_name, draft_steps, draft_weights, chosen)
+    # a compiled backbone drafts as shipped: an exit would make it compile every verify length
+    found = block_drafter(head, loaded, model_name, draft_steps, draft_weights,
+                          None if compile else chosen)
     drafter: Any
     if found is None and draft_steps is not None:
         raise DemoError(f"--draft-steps sets a recursive draft block's depth; --head {head} is "

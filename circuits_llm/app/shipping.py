@@ -33,8 +33,8 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from circuits_llm.app.verify_packing import (
-    FLAT_VERIFY_GREEDY_EXIT,
-    FLAT_VERIFY_SAMPLED_EXIT,
+    CPU_GREEDY_EXIT,
+    CPU_SAMPLED_EXIT,
     Precision,
     recursive_depths,
 )
@@ -299,9 +299,10 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
     depth measured fastest when it was shipped, else the block's trained depth; with the resolved
     ``precision`` the decoders run in, that depth as
     :func:`~circuits_llm.app.verify_packing.recursive_depths` sets it for greedy and sampled
-    rounds; where that deepens greedy rounds, both stop drafting after an unsure draft,
-    :data:`~circuits_llm.app.verify_packing.FLAT_VERIFY_GREEDY_EXIT` and
-    :data:`~circuits_llm.app.verify_packing.FLAT_VERIFY_SAMPLED_EXIT`). The drafter
+    rounds, and on a CPU both stop drafting after an unsure draft,
+    :data:`~circuits_llm.app.verify_packing.CPU_GREEDY_EXIT` and
+    :data:`~circuits_llm.app.verify_packing.CPU_SAMPLED_EXIT`; pass ``precision`` only for
+    eager backbones: a compiled one would compile every verify length). The drafter
     holds the block's projections as ``weights`` says
     (:class:`~circuits_llm.draft_block.weights.DraftWeights`).
 
@@ -325,8 +326,8 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
             steps = shipped.manifest.get("draft_steps") or block.steps
             if precision is not None:
                 steps, sampled = recursive_depths(precision, int(steps))
-                if sampled is not None:
-                    greedy_exit, sampled_exit = FLAT_VERIFY_GREEDY_EXIT, FLAT_VERIFY_SAMPLED_EXIT
+                if model.device.type == "cpu":
+                    greedy_exit, sampled_exit = CPU_GREEDY_EXIT, CPU_SAMPLED_EXIT
         try:
             return BlockDrafter(block, steps, weights=weights, sampled_steps=sampled,
                                 greedy_exit=greedy_exit, sampled_exit=sampled_exit)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLAT_VERIFY_GREEDY_EXIT", "FLAT_VERIFY_GREEDY_STEPS", "FLAT_VERIFY_SAMPLED_EXIT",
-           "Precision", "decode_model", "pack_for_verify_blocks", "recursive_depths"]
+__all__ = ["CPU_GREEDY_EXIT", "CPU_SAMPLED_EXIT", "FLAT_VERIFY_GREEDY_STEPS", "Precision",
+           "decode_model", "pack_for_verify_blocks", "recursive_depths"]
 
 
 class Precision(Enum):
@@ -61,15 +61,16 @@ FLAT_VERIFY_GREEDY_STEPS = 9
 #: 18, AMD EPYC, 6 prompts x 128 tokens x 2 seeds: 3 / 4 / 5 drafts 1.52x / 1.51x / 1.43x plain
 #: decoding at 1.81 / 1.90 / 1.91 tokens a round)
 FLAT_VERIFY_SAMPLED_STEPS = 4
-#: where a greedy round drafts that deep, it stops drafting after a draft to which the block gives
-#: its argmax less than this probability (``BlockDrafter(greedy_exit=)``; journal section 20,
-#: AMD EPYC: chat prompts 1.01-1.09x -> 1.12-1.17x plain decoding, code within the noise)
-FLAT_VERIFY_GREEDY_EXIT = 0.3
-#: and its sampled rounds, at most 4 drafts, stop after a draft to which the block gives its argmax
-#: less than this (``BlockDrafter(sampled_exit=)``, exact: journal section 21, AMD EPYC, 12 code
-#: and 8 chat prompts: 1.63x -> 1.70x and 1.28x -> 1.33x plain decoding at T = 1, draft side
-#: 18.4% -> 13.9% of a verify)
-FLAT_VERIFY_SAMPLED_EXIT = 0.3
+#: on a CPU, a shipped recursive block's greedy round stops drafting after a draft to which the
+#: block gives its argmax less than this probability (``BlockDrafter(greedy_exit=)``; journal
+#: sections 20-21, AMD EPYC, chat prompts: bfloat16 at 9 drafts 1.17x -> 1.33x plain decoding,
+#: float32 at 5 drafts 1.04-1.06x -> 1.15x; code within the noise)
+CPU_GREEDY_EXIT = 0.3
+#: and its sampled round after a draft the block gives its argmax less than this
+#: (``BlockDrafter(sampled_exit=)``, exact; journal section 21, AMD EPYC, T = 1, 12 code and 8
+#: chat prompts: bfloat16 1.63x -> 1.70x and 1.28x -> 1.33x plain decoding, draft side 18.4% ->
+#: 13.9% of a verify; float32 1.22x -> 1.35x and 1.02x -> 1.14x)
+CPU_SAMPLED_EXIT = 0.3
 
 
 def recursive_depths(precision: Precision, shipped_steps: int) -> tuple[int, int | None]:
