@@ -136,9 +136,9 @@ def test_shipped_drafters_decode_greedy_as_the_model(toy: dict, kind: str,
 def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -> None:
     """``recursive_depths``: in bfloat16 the shipped block drafts 9 a greedy round and at most its
     shipped depth (3 here), at most 4, a sampled one; in float32 (or without a precision) the
-    shipped depth for both. With a precision (an eager backbone) on a CPU, rounds of either mode
-    stop after an unsure draft; without one (what a compiled backbone asks) they never do. A depth
-    asked for explicitly is kept as given, without exits; a circuit on a block is untouched."""
+    shipped depth for both. On a CPU rounds of either mode stop after an unsure draft, unless
+    ``stop_when_unsure`` is False (what a compiled backbone asks). A depth asked for explicitly is
+    kept as given; a circuit on a block is untouched."""
     shipped = hc.find_shipped_drafter(toy["model"], "block", toy["root"])
     assert shipped is not None
     load = shipping_module.load_shipped_drafter
@@ -149,12 +149,15 @@ def test_a_shipped_recursive_block_drafts_deeper_greedy_in_bfloat16(toy: dict) -
     for precision in (Precision.FLOAT32, None):
         plain = load(shipped, toy["model"], precision=precision)
         assert (plain.window, plain.sampled_steps, plain.batch_most) == (4, None, 3)
-        exits = (plain.greedy_exit, plain.sampled_exit)
-        assert exits == ((None, None) if precision is None else
-                         (CPU_GREEDY_EXIT, CPU_SAMPLED_EXIT))
+        assert (plain.greedy_exit, plain.sampled_exit) == (CPU_GREEDY_EXIT, CPU_SAMPLED_EXIT)
+        compiled = load(shipped, toy["model"], precision=precision, stop_when_unsure=False)
+        assert (compiled.window, compiled.greedy_exit, compiled.sampled_exit) == (4, None, None)
     given = load(shipped, toy["model"], 2, precision=Precision.BFLOAT16)
-    assert (given.window, given.sampled_steps, given.greedy_exit, given.sampled_exit) == \
-        (3, None, None, None)
+    assert (given.window, given.sampled_steps, given.greedy_exit) == (3, None, CPU_GREEDY_EXIT)
+    public = hc.shipped_drafter(toy["model"], "block", root=toy["root"])
+    assert (public.window, public.sampled_exit) == (4, CPU_SAMPLED_EXIT)  # as shipped, exits on
+    assert hc.shipped_drafter(toy["model"], "block", root=toy["root"],
+                              stop_when_unsure=False).sampled_exit is None
     assert recursive_depths(Precision.BFLOAT16, 12) == (12, None)
     assert recursive_depths(Precision.BFLOAT16, 5) == (FLAT_VERIFY_GREEDY_STEPS, 4)  # SmolLM2's
     assert recursive_depths(Precision.FLOAT32, 5) == (5, None)

@@ -386,8 +386,8 @@ def run_comparison(config: ComparisonConfig, model: str | Path, out: Path, cache
                             progress, shipped=shipped)
         log(_describe_head(ready, unit))
         heads.append(ready)
-    # compiled backbones draft as shipped: an exit would make them compile every verify length
-    blocks = load_blocks(found_blocks, loaded, None if config.compile else precision)
+    # compiled backbones draft without exits, which would make them compile every verify length
+    blocks = load_blocks(found_blocks, loaded, precision, stop_when_unsure=not config.compile)
     for block in blocks:
         log(describe_block(block, unit))
     model = loaded.model

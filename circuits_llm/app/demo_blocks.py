@@ -91,15 +91,16 @@ def _record(shipped: ShippedHead, parameters: int, fingerprint: str) -> dict[str
             "circuit_head": shipped.manifest.get("head")}
 
 
-def load_blocks(found: Sequence[ShippedHead], loaded: Any, precision: Precision | None = None
-                ) -> list[ReadyBlock]:
+def load_blocks(found: Sequence[ShippedHead], loaded: Any, precision: Precision | None = None,
+                stop_when_unsure: bool = True) -> list[ReadyBlock]:
     """Each shipped block of ``found`` verified and loaded on ``loaded``'s model (a recursive one
     drafting as deep as :func:`~circuits_llm.app.verify_packing.recursive_depths` says for the
-    resolved ``precision`` the decoders run in, and on a CPU stopping after an unsure draft;
-    ``None``, what compiled backbones take: as shipped)."""
+    resolved ``precision`` the decoders run in, and on a CPU with ``stop_when_unsure`` stopping
+    after an unsure draft: False for compiled backbones)."""
     ready = []
     for shipped in found:
-        drafter = load_shipped_drafter(shipped, loaded.model, precision=precision)
+        drafter = load_shipped_drafter(shipped, loaded.model, precision=precision,
+                                       stop_when_unsure=stop_when_unsure)
         record = _record(shipped, int(shipped.manifest["parameters"]), loaded.fingerprint)
         record["window"] = drafter.window  # the verify block its rounds run
         ready.append(ReadyBlock(shipped.kind, drafter, record))

@@ -46,14 +46,15 @@ AUTOREGRESSIVE_NAMES = ("ar", "none")
 
 
 def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int | None = None,
-                  weights: DraftWeights = DraftWeights.AUTO, precision: Precision | None = None
-                  ) -> tuple[ShippedDrafter, str] | None:
+                  weights: DraftWeights = DraftWeights.AUTO, precision: Precision | None = None,
+                  stop_when_unsure: bool = True) -> tuple[ShippedDrafter, str] | None:
     """The draft block ``--head`` names, as the drafter the decoder takes, and where it came
     from; None when ``head`` names no block (a head kind, ``ar``, a head's directory). A
     recursive block drafts ``steps`` a round (``None``: its shipped or trained depth, a shipped
     one's as :func:`~circuits_llm.app.verify_packing.recursive_depths` sets it for the resolved
-    ``precision``, and with a precision on a CPU its rounds stop after an unsure draft; ``None``
-    for a compiled backbone); the drafter holds the block's projections as ``weights`` says.
+    ``precision``; a shipped one's rounds stop after an unsure draft on a CPU with
+    ``stop_when_unsure``, False for a compiled backbone); the drafter holds the block's
+    projections as ``weights`` says.
 
     Raises:
         NoHeadError: a block kind that no shipped block of the model has.
@@ -71,7 +72,8 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int 
         found = find_shipped_drafter(loaded, head.lower())
         if found is None:
             raise NoHeadError(no_drafter_message(head.lower(), model_name))
-        return load_shipped_drafter(found, loaded.model, steps, weights, precision), \
+        return load_shipped_drafter(found, loaded.model, steps, weights, precision,
+                                    stop_when_unsure=stop_when_unsure), \
             f"shipped {found.kind} {found.name}"
     if (path / SHIPPED_MANIFEST).is_file():
         shipped = read_shipped_head(path)
@@ -80,7 +82,8 @@ def block_drafter(head: str, loaded: Any, model_name: str = "MODEL", steps: int 
         if not shipped.trained_for(backbone_identity(loaded.model)):
             raise ShippedHeadError(f"the draft block in {path} serves {shipped.model_name}, "
                                    "another model than this one; give its --model")
-        return load_shipped_drafter(shipped, loaded.model, steps, weights), str(path)
+        return load_shipped_drafter(shipped, loaded.model, steps, weights,
+                                    stop_when_unsure=stop_when_unsure), str(path)
     try:
         if (path / RECORD_FILE).is_file() and read_record(path)["config"].get("draft_block"):
             return BlockDrafter(load_trained_block(path, loaded.model), steps,
@@ -189,9 +192,9 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
                             "--head other than ar, or leave --lookup out")
         model = _model_for(loaded, chosen, False, 1)
         return AutoregressiveDecoder(HFBackbone(model, compile=compile)), "autoregressive"
-    # a compiled backbone drafts as shipped: an exit would make it compile every verify length
-    found = block_drafter(head, loaded, model_name, draft_steps, draft_weights,
-                          None if compile else chosen)
+    # a compiled backbone drafts without exits, which would make it compile every verify length
+    found = block_drafter(head, loaded, model_name, draft_steps, draft_weights, chosen,
+                          stop_when_unsure=not compile)
     drafter: Any
     if found is None and draft_steps is not None:
         raise DemoError(f"--draft-steps sets a recursive draft block's depth; --head {head} is "

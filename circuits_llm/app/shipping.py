@@ -291,7 +291,8 @@ def ship_run(run_dir: Path, out: Path, model_name: str, *, circuit_head: Path | 
 def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
                          steps: int | None = None,
                          weights: DraftWeights = DraftWeights.AUTO,
-                         precision: Precision | None = None) -> ShippedDrafter:
+                         precision: Precision | None = None, *,
+                         stop_when_unsure: bool = True) -> ShippedDrafter:
     """The drafter of a shipped ``block`` or ``block_head`` directory, on ``model`` (the model
     it was trained for; its device), every file verified first.
 
@@ -299,11 +300,11 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
     depth measured fastest when it was shipped, else the block's trained depth; with the resolved
     ``precision`` the decoders run in, that depth as
     :func:`~circuits_llm.app.verify_packing.recursive_depths` sets it for greedy and sampled
-    rounds, and on a CPU both stop drafting after an unsure draft,
-    :data:`~circuits_llm.app.verify_packing.CPU_GREEDY_EXIT` and
-    :data:`~circuits_llm.app.verify_packing.CPU_SAMPLED_EXIT`; pass ``precision`` only for
-    eager backbones: a compiled one would compile every verify length). The drafter
-    holds the block's projections as ``weights`` says
+    rounds). With ``stop_when_unsure`` on a CPU its rounds, greedy and sampled, stop drafting
+    after an unsure draft (:data:`~circuits_llm.app.verify_packing.CPU_GREEDY_EXIT`,
+    :data:`~circuits_llm.app.verify_packing.CPU_SAMPLED_EXIT`; exact either way); pass False for
+    a compiled backbone, which would otherwise compile every verify length. The drafter holds
+    the block's projections as ``weights`` says
     (:class:`~circuits_llm.draft_block.weights.DraftWeights`).
 
     Raises:
@@ -326,8 +327,8 @@ def load_shipped_drafter(shipped: ShippedHead, model: PreTrainedModel,
             steps = shipped.manifest.get("draft_steps") or block.steps
             if precision is not None:
                 steps, sampled = recursive_depths(precision, int(steps))
-                if model.device.type == "cpu":
-                    greedy_exit, sampled_exit = CPU_GREEDY_EXIT, CPU_SAMPLED_EXIT
+        if stop_when_unsure and model.device.type == "cpu":
+            greedy_exit, sampled_exit = CPU_GREEDY_EXIT, CPU_SAMPLED_EXIT
         try:
             return BlockDrafter(block, steps, weights=weights, sampled_steps=sampled,
                                 greedy_exit=greedy_exit, sampled_exit=sampled_exit)
@@ -377,7 +378,8 @@ def no_drafter_message(kind: str, model: str, root: Path | None = None) -> str:
 
 def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
                     root: Path | None = None, steps: int | None = None,
-                    weights: DraftWeights = DraftWeights.AUTO) -> ShippedDrafter:
+                    weights: DraftWeights = DraftWeights.AUTO,
+                    stop_when_unsure: bool = True) -> ShippedDrafter:
     """The package's shipped draft block of ``kind`` for ``model``, as the drafter
     :class:`~circuits_llm.decoding.decoder.SpeculativeDecoder` takes in place of a head::
 
@@ -398,6 +400,10 @@ def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
             :func:`load_shipped_drafter`).
         weights: how the drafter holds the block's projections
             (:class:`~circuits_llm.draft_block.weights.DraftWeights`; default: int8 on a CPU).
+        stop_when_unsure: on a CPU, a recursive block's rounds stop drafting after a draft it
+            gives its argmax less than 30% (exact; chat 1.05x -> 1.15x plain decoding greedy
+            and 1.02x -> 1.14x at T = 1 in float32, journal section 21). False for a backbone
+            you compile yourself, which would otherwise meet verify blocks of every length.
 
     Raises:
         NoHeadError: no such block ships for this model (the message says how to train one).
@@ -414,4 +420,5 @@ def shipped_drafter(model: str | Path | Any, kind: str = "block", *,
     if found is None:
         name = model.source if isinstance(model, LoadedModel) else "MODEL"
         raise NoHeadError(no_drafter_message(kind, name, root))
-    return load_shipped_drafter(found, _hf_model(model), steps, weights)
+    return load_shipped_drafter(found, _hf_model(model), steps, weights,
+                                stop_when_unsure=stop_when_unsure)
