@@ -52,6 +52,7 @@ from torch import Tensor
 from circuits_llm.app.verify_packing import Precision, decode_model
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.backbone.row_invariant import priced_rows
+from circuits_llm.decoding.backbones import drafter_backbone
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
 from circuits_llm.decoding.lookup import ContextLookup
@@ -305,7 +306,8 @@ def run_benchmark(config: BatchBenchConfig, log: Callable[[str], None] = print) 
     rule = None if config.draft_confidence is None else \
         DraftLength.confident(config.draft_confidence, minimum=config.draft_minimum)
     lookup = None if config.lookup is None else ContextLookup(config.lookup)
-    backbones = {"speculative": HFBackbone(model), "autoregressive": HFBackbone(model)}
+    backbones = {"speculative": drafter_backbone(model, head),
+                 "autoregressive": HFBackbone(model)}
     peaks = {name: PeakCache(backbone) for name, backbone in backbones.items()}
     decoders = {"speculative": SpeculativeDecoder(backbones["speculative"], head,
                                                   draft_length=rule, lookup=lookup),

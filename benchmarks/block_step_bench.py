@@ -122,6 +122,7 @@ def decode_rounds(model_name: str, prompts: int, new_tokens: int, log: Callable[
     from circuits_llm.app.shipping import shipped_drafter
     from circuits_llm.app.verify_packing import pack_for_verify_blocks
     from circuits_llm.backbone import HFBackbone
+    from circuits_llm.decoding.backbones import drafter_backbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     from circuits_llm.text.corpus import evaluation_prompts
     from circuits_llm.text.models import load_model
@@ -137,7 +138,7 @@ def decode_rounds(model_name: str, prompts: int, new_tokens: int, log: Callable[
         for way in ("autoregressive", *WAYS):
             drafter = None if way == "autoregressive" else drafter_for(way, block, window - 1)
             decoder = AutoregressiveDecoder(HFBackbone(loaded.model)) if drafter is None else \
-                SpeculativeDecoder(HFBackbone(loaded.model), drafter, compile=True)
+                SpeculativeDecoder(drafter_backbone(loaded.model, drafter), drafter, compile=True)
             decoded = decode_prompts(decoder, texts, new_tokens, temperature)
             outputs[way] = decoded.outputs
             tokens, rounds, seconds = decoded.tokens, decoded.rounds, decoded.seconds

@@ -67,6 +67,7 @@ from circuits_llm.app.shipping import shipped_drafter
 from circuits_llm.app.verify_packing import Precision, decode_model, pack_for_verify_blocks
 from circuits_llm.backbone import HFBackbone
 from circuits_llm.constraints import JsonSchema, TokenAutomaton, clear_cache
+from circuits_llm.decoding.backbones import drafter_backbone
 from circuits_llm.decoding.constrained import ConstrainedDrafting
 from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
 from circuits_llm.decoding.draft_length import DraftLength
@@ -258,7 +259,9 @@ def run_benchmark(quick: bool, max_new_tokens: int, log: Callable[[str], None] =
         drafter = shipped_drafter(loaded, kind)
         for label, options in (("product", {"constrained_drafting": ConstrainedDrafting.PRODUCT}),
                                ("product copy", {"lookup": ContextLookup()})):
-            decoders[f"{kind} {label}"] = SpeculativeDecoder(backbone, drafter, **options)
+            decoders[f"{kind} {label}"] = SpeculativeDecoder(  # fused layers: a backbone of its own
+                drafter_backbone(backbone.model, drafter) if drafter.feature_layers else backbone,
+                drafter, **options)
             windows[f"{kind} {label}"] = drafter.window
     if arms_matching is not None:
         parts = [part for part in arms_matching.split(",") if part]

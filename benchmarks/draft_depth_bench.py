@@ -60,10 +60,11 @@ def run(prompt_set: str, count: int, new_tokens: int, fixed: int, most: int,
     makers = {
         "autoregressive": lambda: AutoregressiveDecoder(HFBackbone(loaded.model)),
         f"block, {fixed} drafts": lambda: SpeculativeDecoder(
-            HFBackbone(loaded.model), BlockDrafter(block, fixed), compile=True, lookup=lookup),
+            HFBackbone(loaded.model, feature_layers=block.fused_layers), BlockDrafter(block, fixed),
+            compile=True, lookup=lookup),
         f"block, adaptive up to {most}": lambda: SpeculativeDecoder(
-            HFBackbone(loaded.model), BlockDrafter(block, most), compile=True, lookup=lookup,
-            draft_depth=rule)}
+            HFBackbone(loaded.model, feature_layers=block.fused_layers), BlockDrafter(block, most),
+            compile=True, lookup=lookup, draft_depth=rule)}
     depths: dict[str, list[int]] = {}
 
     def read_depths(mode: str, name: str, decoder: Any, _: object) -> None:

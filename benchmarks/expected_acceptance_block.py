@@ -194,7 +194,7 @@ def measure_block_drafters(block: DraftBlock, head: Any | None, model: Any,
     default, :func:`~circuits_llm.draft_block.weights.int8_block`), named ``"..., int8"``; each
     from row ``first`` of every text on."""
     from circuits_llm.draft_block.weights import int8_block
-    backbone = HFBackbone(model)
+    backbone = HFBackbone(model, feature_layers=block.fused_layers)
     rows: dict[str, dict[str, Any]] = {}
     for suffix, held in (("", block), *((", int8", int8_block(block)),) * int8):
         rows[f"recursive block{suffix}"] = measure_block(held, backbone, texts, greedy=greedy,

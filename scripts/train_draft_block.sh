@@ -21,7 +21,10 @@
 # feature prefill included: 90 on the CPU; unset on a GPU), DATA (corpus | self-distilled: the model's
 # own continuations of corpus prompts at DISTILL_TEMPERATURE, default 1.0, TOKENS / 128 rows of 32
 # prompt + 96 generated tokens, DISTILL_BATCH rows generated together, 16 on the CPU and 256 on a
-# GPU). At T = 1 a decoder drafts on the model's own samples, where the corpus-trained block accepts
+# GPU), FUSED_LAYERS (e.g. 2,14,26: the block also reads those layers' outputs, EAGLE-3's fused
+# features; with INIT_FROM a block without them continues exactly where it stood; FUSION_LR: the
+# fusion's learning rate, default 10x LR). At T = 1 a
+# decoder drafts on the model's own samples, where the corpus-trained block accepts
 # less (journal section 19: 0.49-0.53 against 0.59 for the first draft); self-distilled data trains it
 # on that text.
 #
@@ -70,7 +73,10 @@ case "$DATA" in
 esac
 LIMIT=()
 FROM=()
+FUSED=()
 if [ -n "${INIT_FROM:-}" ]; then FROM=(--init-from "$INIT_FROM"); fi
+if [ -n "${FUSED_LAYERS:-}" ]; then FUSED=(--fused-layers "$FUSED_LAYERS"); fi
+if [ -n "${FUSION_LR:-}" ]; then FUSED+=(--fusion-lr "$FUSION_LR"); fi
 if [ -n "${MINUTES:-}" ]; then LIMIT=(--minutes "$MINUTES"); fi
 RUN="$ROOT/smollm2-block${RUN_SUFFIX:-}"
 mkdir -p "$RUN"
@@ -82,6 +88,6 @@ echo "== train-head --draft-block ($TOKENS positions, $STEPS steps of $BATCH_SIZ
   "${SOURCE[@]}" --cache-features --seq-len 128 \
   --batch-size "$BATCH_SIZE" --lr "${LR:-5e-4}" --steps "$STEPS" --seed 0 \
   --eval-every 250 --eval-windows 64 --device "$DEVICE" --threads "$THREADS" --no-progress \
-  "${LIMIT[@]}" "${FROM[@]}"
+  "${LIMIT[@]}" "${FROM[@]}" "${FUSED[@]}"
 
 echo "float16 and shipped (at most 20 MB, verified on load): circuits-llm ship "$RUN" --name smollm2-block --model "$MODEL""

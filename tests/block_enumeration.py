@@ -173,7 +173,7 @@ def recursive_law(block: DraftBlock, model: LlamaForCausalLM, prompt: Sequence[i
         drafter = BlockDrafter(block)
         first, feature, _ = fresh_first_step(block, model, sequence, drafter)
         with torch.no_grad():  # a negative control's law: the block's readout of the feature
-            stale = law_of(block.logits(feature)[0])
+            stale = law_of(block.logits(block.read_features(feature))[0])
         paths: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[float]]] = []
 
         def expand(output: torch.Tensor, index: list[int], rows: list[torch.Tensor],

@@ -30,10 +30,12 @@ def tiny_llama(vocab: int = 48, seed: int = 0, scale: float = 1.0) -> LlamaForCa
 
 def perturbed_block(model: LlamaForCausalLM, *, steps: int = 3, layers: int = 1,
                     init: BlockInit = BlockInit.LAST_LAYER, draft_vocab: list[int] | None = None,
-                    noise: float = 0.1, seed: int = 1) -> DraftBlock:
+                    noise: float = 0.1, seed: int = 1, fused_layers: Sequence[int] = ()
+                    ) -> DraftBlock:
     """A block moved away from its identity start by random noise (so that its attention, its
-    token input and its cache all matter)."""
-    block = DraftBlock(model, steps=steps, layers=layers, init=init, draft_vocab=draft_vocab)
+    token input, its cache and its fusion of ``fused_layers``' outputs all matter)."""
+    block = DraftBlock(model, steps=steps, layers=layers, init=init, draft_vocab=draft_vocab,
+                       fused_layers=fused_layers)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in block.parameters():
@@ -86,7 +88,8 @@ def fresh_first_step(block: DraftBlock, model: LlamaForCausalLM, sequence: Seque
     from a fresh prefill of the block (independent of the decoder's cache following), the
     backbone's seed feature, and the follower (``follower``, else a new one) holding that prefill
     and the round's first pair."""
-    _, hidden = HFBackbone(model).hidden_states(torch.tensor([list(sequence[:-1])]))
+    backbone = HFBackbone(model, feature_layers=block.fused_layers)
+    _, hidden = backbone.hidden_states(torch.tensor([list(sequence[:-1])]))
     fresh = BlockCacheFollower(block) if follower is None else follower
     fresh.begin(hidden[:, :-1], torch.tensor(list(sequence[1:-1]), dtype=torch.long))
     with torch.no_grad():
@@ -101,7 +104,8 @@ def assert_cache_is_a_fresh_prefill(follower: BlockCacheFollower, model: LlamaFo
     assert follower.cache.get_seq_length() >= follower.length
     follower.flush()
     assert follower.cache.get_seq_length() == follower.length
-    _, hidden = HFBackbone(model).hidden_states(torch.tensor([sequence[:-1]]))
+    backbone = HFBackbone(model, feature_layers=follower.block.fused_layers)
+    _, hidden = backbone.hidden_states(torch.tensor([sequence[:-1]]))
     fresh = BlockCacheFollower(follower.block)
     fresh.begin(hidden[:, :-1], torch.tensor(sequence[1:-1], dtype=torch.long))
     fresh.flush()

@@ -142,6 +142,37 @@ def test_a_run_starts_from_a_saved_block(tmp_path: Path, corpus: Path) -> None:
         train(tmp_path / "fourth", corpus, dataclasses.replace(again, init_from=str(tmp_path)))
 
 
+def test_a_run_with_fused_layers_continues_a_block_without_them(tmp_path: Path,
+                                                                corpus: Path) -> None:
+    """``fused_layers`` (EAGLE-3): the cached features hold layer 0's output too (their own
+    cache entry), a block without fused layers continues into one with them exactly where it
+    stood (the same initial validation), training moves the fusion, the exported block keeps
+    its layers, and it decodes greedy like ``model.generate``."""
+    cfg = config(**{**BLOCK, "steps": 4, "draft_vocab": 64})
+    first = train(tmp_path / "first", corpus, cfg)
+    fused = dataclasses.replace(cfg, init_from=str(tmp_path / "first" / BLOCK_DIR),
+                                fused_layers=(0,), steps=6)
+    start = train(tmp_path / "start", corpus, fused, max_steps=0)
+    assert start.initial_validation.nll == first.validation.nll
+    second = train(tmp_path / "second", corpus, fused)
+    assert second.validation.loss < second.initial_validation.loss
+    optimizer = load_checkpoint(tmp_path / "second" / CHECKPOINT_FILE,
+                                "circuits_llm.train_head")["optimizer"]
+    assert [group["lr"] for group in optimizer["param_groups"]] == [
+        fused.learning_rate, 10 * fused.learning_rate]  # the fusion's own, larger rate
+    record = read_record(tmp_path / "second")
+    assert record["config"]["fused_layers"] == [0]
+    assert set(record["feature_cache"]).isdisjoint(read_record(tmp_path / "first")["feature_cache"])
+    model = tiny_llama()
+    block = load_trained_block(tmp_path / "second", model)
+    assert block.fused_layers == (0,) and block.feature_size == 2 * block.hidden_size
+    assert block.layer_fusion.project.weight.abs().sum() > 0
+    _greedy_like_generate(model, block)
+    with pytest.raises(TrainingConfigError, match="--fused-layers 0"):
+        train(tmp_path / "third", corpus, dataclasses.replace(
+            fused, init_from=str(tmp_path / "second" / BLOCK_DIR), fused_layers=()))
+
+
 def test_self_distilled_rows_train_on_their_responses(tmp_path: Path, corpus: Path) -> None:
     """Self-distilled rows (features cached by default) score only the rows whose token read and
     target are both in the response: 8 of the 14 rows of a 16-token row with an 8-token prompt,
@@ -193,6 +224,10 @@ def test_loss_rows_read_the_law_of_the_token_after_next() -> None:
     ({"circuit_file": "c.json", "architecture": None}, "drop circuit_file"),
     ({"block_layers": 0}, "block_layers must be an int >= 1"),
     ({"block_init": "random"}, "unknown block_init 'random'"),
+    ({"fused_layers": (0, 0)}, "fused_layers must be distinct layer indices"),
+    ({"fused_layers": (-1,)}, "fused_layers must be distinct layer indices"),
+    ({"fused_layers": "2"}, "fused_layers must be distinct layer indices"),
+    ({"fused_layers": (1,), "fusion_learning_rate": 0.0}, "fusion_learning_rate must be"),
 ])
 def test_bad_block_settings_are_clear_errors(changes: dict, message: str) -> None:
     with pytest.raises(TrainingConfigError, match=message):
@@ -208,6 +243,16 @@ def test_flags_reach_the_config() -> None:
     assert cfg.draft_block and cfg.block_layers == 2 and cfg.block_init is BlockInit.LAST_LAYER
     default = config_from_args(parser.parse_args(["train-head", "--run-dir", "r"]))
     assert not default.draft_block and default.block_init is BlockInit.IDENTITY
+    assert default.fused_layers == ()
+    fused = config_from_args(parser.parse_args([
+        "train-head", "--run-dir", "r", "--draft-block", "--fused-layers", "2,14,26"]))
+    assert fused.fused_layers == (2, 14, 26) and fused.fusion_rate == 10 * fused.learning_rate
+    assert config_from_args(parser.parse_args([
+        "train-head", "--run-dir", "r", "--draft-block", "--fused-layers", "1", "--fusion-lr",
+        "0.02"])).fusion_rate == 0.02
+    with pytest.raises(TrainingConfigError, match="pass --draft-block too"):
+        config_from_args(parser.parse_args(["train-head", "--run-dir", "r", "--fused-layers",
+                                            "1"]))
 
 
 def test_torchrun_two_processes_match_a_single_process_run(tmp_path: Path, corpus: Path) -> None:

@@ -321,7 +321,7 @@ def test_block_decoders_take_the_comparison_options_or_say_why_not(toy: dict) ->
     assert len(lines) == 1 and "ff-block: none ships for this model" in lines[0]
     assert [block_window(s) for s in found] == [4, 3]
     blocks = load_blocks(found, Loaded())
-    decoders = block_decoders(blocks, lambda: HFBackbone(toy["model"]),
+    decoders = block_decoders(blocks, lambda _drafter: HFBackbone(toy["model"]),
                               draft_length=DraftLength.confident(0.3, minimum=0),
                               lookup=ContextLookup((0.3, 0.6)), compile=False, log=lines.append)
     for ready in blocks:

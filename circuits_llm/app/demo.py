@@ -301,6 +301,7 @@ def _decoders(model: Any, heads: list[Any], config: ComparisonConfig,
     the AR baseline included), so both sides of every speed-up are compiled alike.
     """
     from circuits_llm.backbone import HFBackbone
+    from circuits_llm.decoding.backbones import drafter_backbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     from circuits_llm.decoding.draft_length import DraftLength
     from circuits_llm.decoding.lookup import ContextLookup
@@ -314,7 +315,7 @@ def _decoders(model: Any, heads: list[Any], config: ComparisonConfig,
         decoders.update({h.name: SpeculativeDecoder(
             HFBackbone(model) if h.backbone.lora_layers == 0 else h.backbone, h.head,
             draft_length=rule, lookup=lookup, compile=config.compile_rounds) for h in heads})
-        decoders.update(block_decoders(blocks, lambda: HFBackbone(model),
+        decoders.update(block_decoders(blocks, lambda drafter: drafter_backbone(model, drafter),
                                        draft_length=block_rule, lookup=lookup,
                                        compile=config.compile_rounds, log=log))
         return decoders
@@ -325,8 +326,11 @@ def _decoders(model: Any, heads: list[Any], config: ComparisonConfig,
         backbone = shared if h.backbone.lora_layers == 0 else h.backbone
         decoders[h.name] = SpeculativeDecoder(backbone, h.head, compile=True, draft_length=rule,
                                               lookup=lookup)
-    decoders.update(block_decoders(blocks, lambda: shared, draft_length=block_rule, lookup=lookup,
-                                   compile=True, log=log))
+    decoders.update(block_decoders(  # a block with fused layers reads more: its own backbone
+        blocks, lambda drafter: drafter_backbone(model, drafter, compile=True,
+                                                 compiled_lengths=lengths)
+        if getattr(drafter, "feature_layers", ()) else shared,
+        draft_length=block_rule, lookup=lookup, compile=True, log=log))
     return decoders
 
 

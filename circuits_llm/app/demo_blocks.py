@@ -107,10 +107,11 @@ def load_blocks(found: Sequence[ShippedHead], loaded: Any, precision: Precision 
     return ready
 
 
-def block_decoders(blocks: Sequence[ReadyBlock], backbone: Callable[[], Any], *,
+def block_decoders(blocks: Sequence[ReadyBlock], backbone: Callable[[Any], Any], *,
                    draft_length: Any, lookup: Any, compile: bool,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """A speculative decoder per block, on ``backbone()`` (a fresh or shared backbone), with the
+    """A speculative decoder per block, on ``backbone(drafter)`` (a fresh or shared backbone that
+    hands the drafter what it reads), with the
     blocks' ``draft_length`` rule (``None``: every draft verified;
     :attr:`~circuits_llm.app.demo.ComparisonConfig.block_draft_confidence`) and the comparison's
     ``lookup`` when the decoder takes them for a draft block; refused, the block's decoder goes
@@ -121,13 +122,14 @@ def block_decoders(blocks: Sequence[ReadyBlock], backbone: Callable[[], Any], *,
     for ready in blocks:
         options = {"draft_length": draft_length, "lookup": lookup}
         try:
-            decoders[ready.name] = SpeculativeDecoder(backbone(), ready.drafter, compile=compile,
-                                                      **options)
+            decoders[ready.name] = SpeculativeDecoder(backbone(ready.drafter), ready.drafter,
+                                                      compile=compile, **options)
             ready.record["decoding"] = {"lookup": lookup is not None,
                                         "draft_length": "fixed" if draft_length is None
                                         else draft_length.describe(), "refused": None}
         except DecoderError as error:
-            decoders[ready.name] = SpeculativeDecoder(backbone(), ready.drafter, compile=compile)
+            decoders[ready.name] = SpeculativeDecoder(backbone(ready.drafter), ready.drafter,
+                                                      compile=compile)
             ready.record["decoding"] = {"lookup": False, "draft_length": "fixed",
                                         "refused": str(error)}
             log(f"draft block {ready.name}: decoded without the copy of the context and with "
@@ -158,6 +160,9 @@ def describe_block(ready: ReadyBlock, unit: TokenUnit) -> str:
                  if value is not None]
         if exits:
             on_top += f" ({'; '.join(exits)})"
+    layers = tuple(getattr(ready.drafter, "feature_layers", ()))
+    if layers:  # EAGLE-3's fused features
+        on_top += f"; it reads layers {list(layers)}' outputs besides the last hidden state"
     return (f"draft block {ready.name}: shipped ({r['shipped_as']}), {r['parameters']:,} "
             f"parameters{on_top} (the block: {r['steps']} steps, {r['train_wall_s']:.0f} s of "
             f"training{bits}) in {r['run_dir']}")

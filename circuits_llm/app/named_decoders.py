@@ -181,6 +181,7 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
         DemoError: a bad combination of options, named with what to do instead.
     """
     from circuits_llm.backbone import HFBackbone
+    from circuits_llm.decoding.backbones import drafter_backbone
     from circuits_llm.decoding.decoder import AutoregressiveDecoder, SpeculativeDecoder
     try:
         chosen = precision.resolve(loaded.model.device, compile=compile)
@@ -216,7 +217,7 @@ def decoder_for(head: str, loaded: Any, cache: Path, compile: bool = False,
         if batch_depth is not None and hasattr(drafter, "batch_depth"):  # a recursive block
             drafter.batch_depth = batch_depth
             where += f"; in a batch {batch_depth.describe()}"
-        backbone = HFBackbone(model, compile=compile, compiled_lengths=sorted(
+        backbone = drafter_backbone(model, drafter, compile=compile, compiled_lengths=sorted(
             {1, drafter.window}) if compile else None)
     else:
         mtp_head, backbone, where = _load_named_head(head, loaded, cache, model_name, compile,

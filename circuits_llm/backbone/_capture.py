@@ -167,3 +167,24 @@ def draft_output(cap: Capture, num_layers: int, draft_layers: nn.ModuleList, fin
         hidden = out[0] if isinstance(out, tuple) else out
     assert final_norm is not None  # checked when the backbone was built
     return final_norm(hidden)
+
+
+def layer_outputs(cap: Capture, layers: tuple[int, ...]) -> list[Tensor]:
+    """The outputs of the decoder layers ``layers`` (each ``< num_layers - 1``) in a recorded
+    forward: the hidden state entering the layer after each, (B, m, d) each.
+
+    Raises:
+        UnsupportedModelError: a layer after one of them was not called once.
+    """
+    entering = {}
+    for index, args, kwargs in cap.layer_calls:
+        if index - 1 in layers:
+            if index - 1 in entering:
+                raise UnsupportedModelError(f"decoder layer {index} was called more than once in "
+                                            "one forward, so its input is ambiguous")
+            entering[index - 1] = args[0] if args else kwargs["hidden_states"]
+    missing = [i for i in layers if i not in entering]
+    if missing:
+        raise UnsupportedModelError(f"the outputs of layers {missing} were not seen: the layers "
+                                    "after them were not called with their hidden state")
+    return [entering[i] for i in layers]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from circuits_llm.backbone._arch import UnsupportedModelError
-from circuits_llm.backbone._capture import Capture, draft_output
+from circuits_llm.backbone._capture import Capture, draft_output, layer_outputs
 from circuits_llm.backbone._validate import check_tokens
 from circuits_llm.backbone.hf import HFBackbone
 
@@ -58,8 +58,9 @@ def _hidden_of(args: tuple, kwargs: dict) -> Tensor:
 
 
 def branch_input(backbone: HFBackbone, tokens: Tensor) -> Tensor:
-    """(B, L) tokens -> (B, L, d) in the model's dtype: the LM head's input when
-    ``lora_layers == 0`` (the draft hidden state itself), else the hidden state entering layer
+    """(B, L) tokens -> (B, L, F) in the model's dtype: the LM head's input when
+    ``lora_layers == 0`` (the draft hidden state itself, after the outputs of the backbone's
+    ``feature_layers`` when it has some: ``F = (n + 1) d``), else the hidden state entering layer
     ``num_layers - lora_layers`` (what the draft branch consumes). No gradients.
 
     Raises:
@@ -69,7 +70,13 @@ def branch_input(backbone: HFBackbone, tokens: Tensor) -> Tensor:
     if backbone.lora_layers == 0:
         if cap.head_input is None:
             raise UnsupportedModelError("the LM head was not called by the model's forward")
+        if backbone.feature_layers:  # a draft block's fused layers: their outputs first
+            return torch.cat([*layer_outputs(cap, backbone.feature_layers), cap.head_input],
+                             -1).detach()
         return cap.head_input.detach()
+    if backbone.feature_layers:
+        raise UnsupportedModelError("cached features hold fused layers' outputs only without a "
+                                    "draft branch: build the backbone with lora_layers=0")
     args, kwargs = _branch_calls(cap, backbone)[0]
     return _hidden_of(args, kwargs).detach()
 

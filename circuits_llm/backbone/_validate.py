@@ -85,3 +85,25 @@ def check_int(value: object, name: str, low: int, high: int | None = None) -> in
         upper = "inf)" if high is None else f"{high}]"
         raise ValueError(f"{name} must be in [{low}, {upper}, got {value}")
     return value
+
+
+def check_feature_layers(layers: object, count: int) -> tuple[int, ...]:
+    """``layers`` as a tuple of distinct indices ``0 <= i < count - 1`` of a model's ``count``
+    decoder layers, whose outputs a draft block fuses (EAGLE-3) with the LM head's input.
+
+    The last layer is excluded: its output is what the final norm turns into the LM head's input,
+    which is read anyway.
+
+    Raises:
+        ValueError: anything else, saying what was wrong.
+    """
+    from collections.abc import Sequence
+    if isinstance(layers, (str, bytes, Tensor)) or not isinstance(layers, Sequence):
+        raise ValueError(f"feature layers must be a sequence of layer indices, got {layers!r}")
+    result = tuple(layers)
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count - 1
+           for i in result) or len(set(result)) != len(result):
+        raise ValueError(f"feature layers must be distinct indices of the model's layers 0.."
+                         f"{count - 2} (the last one, {count - 1}, feeds the LM head's input, "
+                         f"which is read anyway), got {list(result)}")
+    return result

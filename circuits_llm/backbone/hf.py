@@ -22,7 +22,7 @@ runs the whole step (verifier forward and draft branch) as one compiled graph pe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +34,13 @@ from transformers.cache_utils import Cache, DynamicCache
 from circuits.errors import InvalidInputError
 from circuits_llm.backbone._adapter_io import load_adapter_into, save_adapter_from
 from circuits_llm.backbone._arch import UnsupportedModelError, check_cache_support, find_parts
-from circuits_llm.backbone._capture import Capture, capture_hooks, draft_output
+from circuits_llm.backbone._capture import Capture, capture_hooks, draft_output, layer_outputs
 from circuits_llm.backbone._lora import draft_branch, lora_options, lora_parameters, lora_state
 from circuits_llm.backbone._static import CacheKind, StaticCaches, compile_step, resolve_cache_options
 from circuits_llm.backbone._step_errors import TOKEN_RANGE_MESSAGE, static_step_error
 from circuits_llm.backbone._validate import (
     check_attention_mask,
+    check_feature_layers,
     check_int,
     check_token_layout,
     check_tokens,
@@ -75,10 +76,14 @@ class HFBackbone(nn.Module):
         compiled_lengths: the block lengths ``m`` that run compiled (``None``: ``(1,)``, the
             autoregressive step; a speculative decoder adds its window with
             :meth:`add_compiled_length`).
+        feature_layers: decoder layers whose outputs ``draft_hidden`` carries before the draft
+            hidden state, ``[l_a; l_b; ...; h]`` ((n + 1) d wide): what a draft block with
+            EAGLE-3's fused layers reads (its ``fused_layers``); ``()``: ``h`` alone.
 
     Attributes:
         vocab_size: V, logits per position.
-        hidden_size: d, width of ``draft_hidden``.
+        hidden_size: F, width of ``draft_hidden``: d, or (n + 1) d with ``n`` feature layers.
+        feature_layers: as given (a tuple).
         num_layers: N, decoder layers of the model.
         lora_layers: k.
         cache_kind: the :class:`CacheKind` in use.
@@ -107,6 +112,7 @@ class HFBackbone(nn.Module):
         compile: bool = False,
         max_cache_len: int | None = None,
         compiled_lengths: Iterable[int] | None = None,
+        feature_layers: Sequence[int] = (),
     ) -> None:
         super().__init__()
         parts = find_parts(model)
@@ -117,8 +123,9 @@ class HFBackbone(nn.Module):
         self.lora_alpha, self.lora_dropout = lora.alpha, lora.dropout
         self.cache_kind, capacity = resolve_cache_options(model, cache, compile, max_cache_len,
                                                           compiled_lengths)
+        self.feature_layers = check_feature_layers(feature_layers, parts.num_layers)
         self.vocab_size = parts.vocab_size
-        self.hidden_size = parts.hidden_size
+        self.hidden_size = parts.hidden_size * (len(self.feature_layers) + 1)
         self.model = model
         self._parts = parts
         self.draft_layers, self.lora_target_modules = draft_branch(parts, lora, lora_target_modules)
@@ -424,7 +431,7 @@ class HFBackbone(nn.Module):
             "lora_alpha": self.lora_alpha,
             "lora_target_modules": list(self.lora_target_modules),
             "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
+            "hidden_size": self._parts.hidden_size,
             "vocab_size": self.vocab_size,
             "model_type": str(getattr(self.model.config, "model_type", "")),
             "config_fingerprint": self._fingerprint,
@@ -463,9 +470,13 @@ class HFBackbone(nn.Module):
         return out, cap
 
     def _draft(self, cap: Capture, verifier_cache: Cache | None, draft_cache: Cache | None) -> Tensor:
-        """(B, m, d) draft hidden state of a recorded forward (see :func:`draft_output`)."""
-        return draft_output(cap, self.num_layers, self.draft_layers, self._parts.final_norm,
-                            self._parts.lm_head, verifier_cache, draft_cache)
+        """(B, m, F) draft hidden state of a recorded forward (see :func:`draft_output`), after
+        the outputs of the :attr:`feature_layers` when there are some."""
+        draft = draft_output(cap, self.num_layers, self.draft_layers, self._parts.final_norm,
+                             self._parts.lm_head, verifier_cache, draft_cache)
+        if not self.feature_layers:
+            return draft
+        return torch.cat([*layer_outputs(cap, self.feature_layers), draft], -1)
 
     def _static_step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One forward of ``tokens`` (B, m) on the static caches -> (logits (B, m, V), draft (B, m, d)).

@@ -20,9 +20,10 @@ def is_hf_model(model: object) -> bool:
 
 
 def as_backbone(model: object, lora_layers: int, compile: bool,
-                blocks: Sequence[int] = (1,)) -> Backbone:
+                blocks: Sequence[int] = (1,), feature_layers: Sequence[int] = ()) -> Backbone:
     """An HF causal LM -> HFBackbone (static cache and compiled forwards for blocks of 1 and
-    every length in ``blocks`` when ``compile``); a Backbone is used as it is (a compiled
+    every length in ``blocks`` when ``compile``; the outputs of ``feature_layers`` in its draft
+    hidden state, for a draft block that fuses them); a Backbone is used as it is (a compiled
     HFBackbone learns the block lengths ``blocks``); anything else is an error."""
     lengths = sorted({1, *blocks})
     problem = backbone_problem(model)
@@ -34,11 +35,22 @@ def as_backbone(model: object, lora_layers: int, compile: bool,
     if is_hf_model(model):
         from circuits_llm.backbone import HFBackbone
         if not compile:
-            return HFBackbone(model, lora_layers=lora_layers)  # type: ignore[arg-type]
+            return HFBackbone(model, lora_layers=lora_layers,  # type: ignore[arg-type]
+                              feature_layers=feature_layers)
         return HFBackbone(model, lora_layers=lora_layers, compile=True,  # type: ignore[arg-type]
-                          compiled_lengths=lengths)
+                          compiled_lengths=lengths, feature_layers=feature_layers)
     raise DecoderError(f"backbone must implement circuits_llm.protocols.Backbone or be a Hugging "
                        f"Face PreTrainedModel: {problem}")
+
+
+def drafter_backbone(model: object, drafter: object, **options: object) -> Backbone:
+    """``HFBackbone(model, **options)`` that hands ``drafter`` what it reads: the outputs of its
+    ``feature_layers`` before the LM head's input (a draft block with EAGLE-3's fused layers),
+    else the LM head's input alone. What every place that builds a backbone for a drafter it
+    was handed calls, so a block with fused layers decodes wherever one without them does."""
+    from circuits_llm.backbone import HFBackbone
+    layers = tuple(getattr(drafter, "feature_layers", ()))
+    return HFBackbone(model, feature_layers=layers, **options)  # type: ignore[arg-type]
 
 
 #: how many wrappers :func:`hf_model_under` looks through (``inner``: a backbone that wraps another)

@@ -179,7 +179,8 @@ class SpeculativeDecoder(AutoregressiveDecoder):
         if draft_depth is not None and not isinstance(draft_depth, AdaptiveDepth):
             raise DecoderError(f"draft_depth must be None or a circuits_llm.decoding.draft_depth."
                                f"AdaptiveDepth, got {draft_depth!r}")
-        self.backbone = as_backbone(backbone, lora_layers, compile, blocks)
+        feature_layers = tuple(getattr(head, "feature_layers", ()))
+        self.backbone = as_backbone(backbone, lora_layers, compile, blocks, feature_layers)
         problem = draft_head_problem(head)
         #: the drafter with state of its own, when ``head`` is one (else None: a circuit head)
         self._context_drafter: ContextDrafter | None = None
@@ -192,8 +193,11 @@ class SpeculativeDecoder(AutoregressiveDecoder):
             raise DecoderError(f"the head's vocab_size {head.vocab_size} differs from the "
                                f"backbone's {self.backbone.vocab_size}")
         if head.hidden_size != self.backbone.hidden_size:
-            raise DecoderError(f"the head reads hidden states of size {head.hidden_size} but the "
-                               f"backbone's are {self.backbone.hidden_size}")
+            fused = f" (the outputs of layers {list(feature_layers)} and the LM head's input: " \
+                f"build the backbone with HFBackbone(model, feature_layers=" \
+                f"{list(feature_layers)}), or pass the model)" if feature_layers else ""
+            raise DecoderError(f"the head reads hidden states of size {head.hidden_size}{fused} "
+                               f"but the backbone's are {self.backbone.hidden_size}")
         if self._context_drafter is not None:
             context_drafting.check_drafter(self._context_drafter, lookup, rule)
         else:

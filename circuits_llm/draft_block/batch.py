@@ -185,8 +185,8 @@ class BlockRows:
             program: the decoder's round program for this configuration (built on the decoder's
                 own drafter; only its options and circuit are read here).
             rows: the drafting rows' states.
-            hidden: (B, d) each row's seed feature (the backbone's draft hidden state at its last
-                cached token).
+            hidden: (B, F) each row's seed feature (the backbone's draft hidden state at its last
+                cached token; F the block's ``feature_size``).
             c: (B,) long each row's verified token.
             uniforms: (B, T) float64 each row's round uniforms (``None`` when greedy).
             components: each row's copy component (n+1,) float64, exactly when the program has
@@ -273,11 +273,12 @@ class RaggedBlockRows:
         return batch_drafts(self.drafter, rows, window)
 
     def _pairs(self, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """``features`` (1, m, d) and ``tokens`` (m,) checked -> (m, d), (m,) on the block's
-        device."""
-        hidden, tokens = check_pairs(features, tokens, self.block.hidden_size,
+        """``features`` (1, m, F) and ``tokens`` (m,) checked -> the ``h`` the block reads (m, d)
+        (:meth:`~circuits_llm.draft_block.block.DraftBlock.read_features`) and (m,), on the
+        block's device."""
+        hidden, tokens = check_pairs(features, tokens, self.block.feature_size,
                                      self.drafter.device)
-        return hidden[0], tokens
+        return self.block.read_features(hidden)[0], tokens
 
     def start(self, features: Tensor, tokens: Tensor) -> RaggedRow:
         """A row's state for a new sequence (as ``BlockCacheFollower.begin``)."""
@@ -310,7 +311,8 @@ class RaggedBlockRows:
         with torch.no_grad():
             features, tokens = [], []
             for b, row in enumerate(rows):  # the pending pairs, then the round's own pair
-                seed, token = hidden[b:b + 1].to(device), c[b:b + 1].to(device, torch.long)
+                seed = self.block.read_features(hidden[b:b + 1].to(device))
+                token = c[b:b + 1].to(device, torch.long)
                 if row.pending is not None:
                     seed = torch.cat([row.pending[0], seed.to(row.pending[0].dtype)])
                     token = torch.cat([row.pending[1], token])

@@ -8,6 +8,16 @@ shared token embedding), runs ``L`` decoder layers with causal attention over it
 earlier positions, and gives the law of ``x_{j+2}`` through the target's final norm and LM head,
 restricted to a compressed draft vocabulary when it has one (:mod:`circuits_llm.heads.vocab`).
 
+EAGLE-3's fused features (``fused_layers``): the block may read, besides ``h_j``, the outputs of
+some of the target's own layers at ``j`` (a low, a middle and a high one), which the verify
+forward computes anyway (:class:`~circuits_llm.backbone.HFBackbone`'s ``feature_layers``). The
+backbone then hands it features ``[l_a; l_b; ...; h_j]`` ((n + 1) d wide, :attr:`feature_size`),
+and :meth:`DraftBlock.read_features` turns them into the ``h_j`` the block reads as
+``h_j + G [rms(l_a); rms(l_b); ...]`` with ``G`` (n d -> d) zero at the start, so a block with
+fused layers starts exactly where the same block without them stands (a trained block can be
+continued with them). Only verified positions have layer outputs; the recursion's later steps read
+the block's own outputs, as in EAGLE-3.
+
 Initialisation (:class:`BlockInit`) starts where a token map starts: the fusion's feature half is
 the identity and its token half zero, and every layer's output projections (``o_proj``,
 ``down_proj``) are zero, so a fresh block is the identity on ``rms(h_j)`` and its law is the
@@ -37,10 +47,11 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from circuits_llm.backbone._arch import find_parts
+from circuits_llm.backbone._validate import check_feature_layers
 from circuits_llm.heads.config import HeadConfigError
 from circuits_llm.heads.vocab import check_draft_tokens
 
-__all__ = ["BlockInit", "DraftBlock", "DraftBlockError", "check_pairs"]
+__all__ = ["BlockInit", "DraftBlock", "DraftBlockError", "LayerFusion", "check_pairs"]
 
 
 class DraftBlockError(ValueError):
@@ -88,6 +99,31 @@ def check_pairs(hidden: Tensor, tokens: Tensor, size: int, device: torch.device
     return hidden.to(device), tokens.to(device, torch.long)
 
 
+class LayerFusion(nn.Module):
+    """EAGLE-3's fusion, as a residual that starts as nothing: ``[l_1; ...; l_n; h]`` (..., (n + 1)
+    d) -> ``h + G [rms(l_1); ...; rms(l_n)]`` (..., d), ``G`` zero at the start.
+
+    Args:
+        width: d.
+        count: n, the fused layers.
+        eps: the norms' epsilon.
+    """
+
+    def __init__(self, width: int, count: int, eps: float) -> None:
+        super().__init__()
+        self.width, self.count = width, count
+        self.norms = nn.ModuleList(LlamaRMSNorm(width, eps=eps) for _ in range(count))
+        self.project = nn.Linear(count * width, width, bias=False)
+        with torch.no_grad():
+            self.project.weight.zero_()
+
+    def forward(self, features: Tensor) -> Tensor:
+        d = self.width
+        layers = features[..., :-d]
+        normed = [norm(layers[..., i * d:(i + 1) * d]) for i, norm in enumerate(self.norms)]
+        return features[..., -d:] + self.project(torch.cat(normed, -1))
+
+
 def _layer_config(config: PretrainedConfig, layers: int) -> LlamaConfig:
     """The block's Llama config: the target's own for a Llama model, else a Llama-shaped one of
     its width, head count and MLP width; ``layers`` layers, SDPA attention with the block's own
@@ -126,6 +162,8 @@ class DraftBlock(nn.Module):
         init: :class:`BlockInit`.
         draft_vocab: (K,) distinct model ids the block drafts over (FastMTP's compressed
             vocabulary, :func:`circuits_llm.heads.vocab.frequent_tokens`), or ``None``: all ``V``.
+        fused_layers: indices of the target's layers whose outputs the block reads besides
+            ``h`` (EAGLE-3; see the module docstring), ``()``: none.
 
     Raises:
         DraftBlockError: bad arguments, or a target whose parts cannot be found.
@@ -133,7 +171,8 @@ class DraftBlock(nn.Module):
 
     def __init__(self, model: PreTrainedModel, *, steps: int = 3, layers: int = 1,
                  init: BlockInit = BlockInit.IDENTITY,
-                 draft_vocab: Tensor | Sequence[int] | None = None) -> None:
+                 draft_vocab: Tensor | Sequence[int] | None = None,
+                 fused_layers: Sequence[int] = ()) -> None:
         super().__init__()
         for name, value in (("steps", steps), ("layers", layers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -149,6 +188,10 @@ class DraftBlock(nn.Module):
             raise DraftBlockError("the target's LM head has no (V, d) weight to share")
         self.vocab_size: int = parts.vocab_size
         self.hidden_size: int = parts.hidden_size
+        try:
+            self.fused_layers = check_feature_layers(fused_layers, parts.num_layers)
+        except ValueError as error:
+            raise DraftBlockError(f"fused_layers: {error}") from None
         self.steps = steps
         self.window = steps + 1
         self.init = init
@@ -169,6 +212,8 @@ class DraftBlock(nn.Module):
         self.norm_hidden = LlamaRMSNorm(d, eps=eps)
         self.norm_token = LlamaRMSNorm(d, eps=eps)
         self.fuse = nn.Linear(2 * d, d, bias=False)
+        if self.fused_layers:
+            self.layer_fusion = LayerFusion(d, len(self.fused_layers), eps)
         self.layers = nn.ModuleList(LlamaDecoderLayer(self.config, i) for i in range(layers))
         self.rotary = LlamaRotaryEmbedding(self.config)
         self._initialise(parts.layers[-1])
@@ -208,6 +253,30 @@ class DraftBlock(nn.Module):
     def draft_size(self) -> int:
         """``K``: the size of the draft vocabulary (``V`` without compression)."""
         return self.vocab_size if self.draft_tokens is None else int(self.draft_tokens.numel())
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the features the block reads from the backbone: ``(n + 1) d`` with ``n``
+        fused layers (``d`` without)."""
+        return (len(self.fused_layers) + 1) * self.hidden_size
+
+    def read_features(self, features: Tensor) -> Tensor:
+        """(..., :attr:`feature_size`) features from the backbone -> (..., d) the ``h`` the block
+        reads: the features themselves without fused layers, else
+        :class:`LayerFusion`'s ``h + G [rms(l_1); ...]``.
+
+        Raises:
+            DraftBlockError: features of another width.
+        """
+        if features.shape[-1] != self.feature_size:
+            hint = f" (fused layers {list(self.fused_layers)}: build the backbone with " \
+                f"HFBackbone(model, feature_layers={list(self.fused_layers)}))" \
+                if self.fused_layers else ""
+            raise DraftBlockError(f"the block reads features {self.feature_size} wide, got "
+                                  f"{tuple(features.shape)}{hint}")
+        if not self.fused_layers:
+            return features
+        return self.layer_fusion(features.to(self.dtype))
 
     def new_cache(self) -> Cache:
         """An empty KV cache for the block's layers (one per sequence)."""

@@ -64,11 +64,19 @@ class BlockCacheFollower:
         self.block = drafting_block(block, self.weights)
         self.step_mode = step_mode
         self.vocab_size: int = block.vocab_size
-        self.hidden_size: int = block.hidden_size
+        #: the width of the features it reads from the backbone (the block's ``feature_size``)
+        self.hidden_size: int = block.feature_size
         self.step = BlockStep(self.block)
         self.cache: BlockKVCache = self.step.new_cache()
         self.length = 0
         self._pending: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's layers whose outputs the drafter reads besides the LM head's input (the
+        block's fused layers; ``()``: none). A decoder given the model builds its backbone with
+        them (:class:`~circuits_llm.backbone.HFBackbone`'s ``feature_layers``)."""
+        return self.block.fused_layers
 
     @property
     def device(self) -> torch.device:
@@ -77,8 +85,10 @@ class BlockCacheFollower:
 
     # ------------------------------------------------------------------ the cache
     def _check(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """``hidden`` (1, m, d) and ``tokens`` (m,) checked, on the block's device."""
-        return check_pairs(hidden, tokens, self.hidden_size, self.device)
+        """``hidden`` (1, m, F) features and ``tokens`` (m,) checked, on the block's device ->
+        the ``h`` the block reads (1, m, d) (:meth:`DraftBlock.read_features`) and the tokens."""
+        hidden, tokens = check_pairs(hidden, tokens, self.hidden_size, self.device)
+        return self.block.read_features(hidden), tokens
 
     def begin(self, hidden: Tensor, tokens: Tensor) -> None:
         """Start a sequence: an empty cache; the prefill's pairs ``hidden`` (1, m, d), ``tokens``
@@ -120,9 +130,10 @@ class BlockCacheFollower:
             self._pending = None
 
     def first_step(self, hidden: Tensor, c: Tensor) -> Tensor:
-        """The round's first block call: the pending pairs and ``(hidden (1, d), c (1,))``, all
+        """The round's first block call: the pending pairs and ``(hidden (1, F), c (1,))``, all
         verified, appended to the cache -> (1, d) the block's output at the last one."""
-        features, tokens = hidden[:, None].to(self.device), c.to(self.device, torch.long)
+        features = self.block.read_features(hidden[:, None].to(self.device))
+        tokens = c.to(self.device, torch.long)
         if self._pending is not None:
             features = torch.cat([self._pending[0], features.to(self._pending[0].dtype)], 1)
             tokens = torch.cat([self._pending[1], tokens])

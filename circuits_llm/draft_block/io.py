@@ -67,6 +67,9 @@ class BlockFileConfig:
         model_identity: :func:`~circuits_llm.text.models.backbone_identity` of the target.
         storage_dtype: ``"float16"`` / ``"bfloat16"`` when stored narrow, else None.
         tensors_sha256: SHA-256 of ``block.safetensors``.
+        fused_layers: the model's layers whose outputs the block reads besides the LM head's
+            input (EAGLE-3); written only when there are some, so files of blocks without them
+            are as before.
     """
 
     format: str
@@ -81,6 +84,7 @@ class BlockFileConfig:
     model_identity: dict[str, str]
     storage_dtype: str | None
     tensors_sha256: str
+    fused_layers: tuple[int, ...] = ()
 
     @classmethod
     def read(cls, path: Path) -> BlockFileConfig:
@@ -97,7 +101,8 @@ class BlockFileConfig:
                 f"{path} has format version {values.get('format_version')!r}; this version of "
                 f"circuits_llm reads version {FORMAT_VERSION}")
         names = {f.name for f in fields(cls)}
-        missing, unknown = sorted(names - set(values)), sorted(set(values) - names)
+        missing = sorted(names - set(values) - {"fused_layers"})
+        unknown = sorted(set(values) - names)
         if missing or unknown:
             raise DraftBlockFileError(f"{path}: missing keys {missing}, unknown keys {unknown}")
         config = cls(**values)
@@ -112,7 +117,12 @@ class BlockFileConfig:
             raise DraftBlockFileError(f"{path}: unknown storage_dtype {config.storage_dtype!r}")
         if not isinstance(config.model_identity, dict):
             raise DraftBlockFileError(f"{path}: model_identity must be an object")
-        return config
+        layers = config.fused_layers
+        if not isinstance(layers, (list, tuple)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+            raise DraftBlockFileError(f"{path}: fused_layers must be a list of layer indices, "
+                                      f"got {layers!r}")
+        return cls(**{**values, "fused_layers": tuple(layers)})
 
 
 def block_tensors(block: DraftBlock) -> dict[str, Tensor]:
@@ -169,8 +179,14 @@ def save_draft_block(block: DraftBlock, directory: str | Path, model: PreTrained
         block.hidden_size, block.vocab_size,
         None if tokens is None else int(tokens.numel()),
         None if tokens is None else _ids_sha256(tokens), backbone_identity(model),
-        None if storage_dtype is None else narrow[storage_dtype], sha256_file(tensors_path))
-    atomic_write_json(directory / BLOCK_CONFIG_FILE, asdict(config), sort_keys=True)
+        None if storage_dtype is None else narrow[storage_dtype], sha256_file(tensors_path),
+        block.fused_layers)
+    record = asdict(config)
+    if block.fused_layers:
+        record["fused_layers"] = list(block.fused_layers)
+    else:
+        del record["fused_layers"]
+    atomic_write_json(directory / BLOCK_CONFIG_FILE, record, sort_keys=True)
     return directory
 
 
@@ -241,7 +257,8 @@ def load_draft_block(directory: str | Path, model: PreTrainedModel) -> DraftBloc
     tensors = _read_tensors(config, tensors_path)
     tokens = _draft_tokens(config, tensors, tensors_path)
     try:
-        block = DraftBlock(model, steps=config.steps, layers=config.layers, draft_vocab=tokens)
+        block = DraftBlock(model, steps=config.steps, layers=config.layers, draft_vocab=tokens,
+                           fused_layers=config.fused_layers)
     except DraftBlockError as error:
         raise DraftBlockFileError(f"{config_path} describes a block this model cannot carry: "
                                   f"{error}") from None

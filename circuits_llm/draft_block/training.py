@@ -76,9 +76,11 @@ def depth_outputs(block: DraftBlock, hidden: Tensor, tokens: Tensor, depths: int
                   ) -> Iterator[Tensor]:
     """Each depth's (B, T, d) block outputs, depth ``1..depths`` in order (with gradients).
 
-    ``hidden`` (B, T, d) are the features ``h_j``, ``tokens`` (B, T) the tokens ``x_{j+1}`` read
-    with them; depth ``a``'s row ``j`` is step ``a`` of a round started at ``j - a + 1`` (rows
-    ``j < a - 1`` have no such round: their values are computed but mean nothing). Depth ``a``
+    ``hidden`` (B, T, F) are the features ``h_j`` (with the fused layers' outputs before them when
+    the block has some: :meth:`~circuits_llm.draft_block.block.DraftBlock.read_features`),
+    ``tokens`` (B, T) the tokens ``x_{j+1}`` read with them; depth ``a``'s row ``j`` is step
+    ``a`` of a round started at ``j - a + 1`` (rows ``j < a - 1`` have no such round: their
+    values are computed but mean nothing). Depth ``a``
     reads depth ``a - 1``'s output at the previous position and attends, under the last ``T``
     rows of :func:`depth_mask`, to the keys and values of depths ``1..a`` kept in a KV cache
     (rows of depth ``b`` attend only to depths ``<= b``, so their keys and values do not change
@@ -92,7 +94,7 @@ def depth_outputs(block: DraftBlock, hidden: Tensor, tokens: Tensor, depths: int
         raise DraftBlockError(f"{depths} depths need at least as many positions, got {length}")
     positions = torch.arange(length, device=hidden.device)
     cache = block.new_cache()
-    rows = hidden
+    rows = block.read_features(hidden)  # (B, T, d): the fused layers' outputs read, if any
     for depth in range(1, depths + 1):
         mask = depth_mask(depth, length, hidden.device)[-length:]  # (T, depth T)
         output = block(rows, tokens, positions, mask, cache)

@@ -56,6 +56,8 @@ class DraftWeights(Enum):
         attention = block.layers[0].self_attn
         widths = {block.hidden_size, block.config.intermediate_size,  # every projection's input
                   block.config.num_attention_heads * attention.head_dim}
+        if block.fused_layers:
+            widths.add(len(block.fused_layers) * block.hidden_size)
         packed = block.dtype in (torch.float32, torch.bfloat16) and all(
             packed_kernel_runs(width, block.device) for width in widths)
         return DraftWeights.INT8 if packed else DraftWeights.AS_TRAINED

@@ -146,6 +146,12 @@ class BlockHeadTrainer(Trainer):
             raise TrainingConfigError("BlockHeadTrainer trains configs with on_block set")
         self.block = load_block(config.on_block, self.model)
         self.block.requires_grad_(False)
+        if self.block.fused_layers:
+            raise TrainingConfigError(
+                f"the block in {config.on_block} reads the outputs of layers "
+                f"{list(self.block.fused_layers)}; train-head --on-block trains heads on blocks "
+                f"that read the LM head's input alone (train one on such a block, or use "
+                f"circuits_llm.training.block_circuit.train_block_head with the fused features)")
         if self.block.hidden_size != self.backbone.hidden_size:
             raise TrainingConfigError(f"the block in {config.on_block} outputs "
                                       f"{self.block.hidden_size} wide states but the model's are "

@@ -90,6 +90,8 @@ class BlockModule(TrainedModule):
         record = {"kind": "draft_block", "steps": block.steps, "layers": len(block.layers),
                   "init": block.init.value, "hidden_size": block.hidden_size,
                   "vocab_size": block.vocab_size, "draft_tokens": ids}
+        if block.fused_layers:  # absent otherwise: checkpoints of earlier runs keep resuming
+            record["fused_layers"] = list(block.fused_layers)
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
     def load(self, tensors: dict[str, Tensor]) -> None:
@@ -121,8 +123,8 @@ class BlockDraftModel(nn.Module):
         self.register_buffer("lookup", lookup.to(backbone.device), persistent=False)
 
     def _features(self, tokens: Tensor, features: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """(B, L, d) features in the block's dtype and the teacher's (B, L, K) logits (None
-        without a teacher)."""
+        """(B, L, F) features in the block's dtype (the fused layers' outputs, then the LM head's
+        input) and the teacher's (B, L, K) logits (None without a teacher)."""
         backbone = self._backbone[0]
         logits = None
         if features is None:
@@ -133,8 +135,8 @@ class BlockDraftModel(nn.Module):
                 logits = self.teacher.from_logits(live).logits
         else:
             hidden = features
-            if self.teacher is not None:
-                logits = self.teacher.from_features(features).logits
+            if self.teacher is not None:  # the LM head's input: the last d of the features
+                logits = self.teacher.from_features(features[..., -self.block.hidden_size:]).logits
         return hidden.to(self.block.dtype), logits
 
     def forward(self, tokens: Tensor, mask: Tensor | None,
@@ -217,24 +219,44 @@ class BlockTrainer(Trainer):
             self.draft_coverage = counts.coverage(tokens)
         try:
             self.block = DraftBlock(self.model, steps=self.depths, layers=config.block_layers,
-                                    init=config.block_init, draft_vocab=tokens)
+                                    init=config.block_init, draft_vocab=tokens,
+                                    fused_layers=config.fused_layers)
         except DraftBlockError as error:
             raise TrainingConfigError(str(error)) from None
         if start is not None:
-            self.block.load_state_dict(start.state_dict())
+            self._continue_from(start)
         teacher = None
         if config.target_law is TargetLaw.MODEL:
             first_tokens = first_features = None
             if isinstance(train, FeatureRows) and len(train) > 0:  # checked against a live pass
                 first = torch.zeros(1, dtype=torch.long)
-                first_tokens, first_features = train.rows(first)[0], train.features(first)
+                first_tokens = train.rows(first)[0]
+                first_features = train.features(first)[..., -self.block.hidden_size:]
             teacher = build_teacher(self.model, backbone, self.block, config, first_tokens,
                                     first_features)
         self.draft = BlockDraftModel(  # type: ignore[assignment]
             backbone, self.block, self.gamma, self.depths, config.bf16, teacher)
         self.parameters = list(self.block.parameters())
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate,
+        fusion = [] if not self.block.fused_layers else \
+            list(self.block.layer_fusion.parameters())  # type: ignore[union-attr]
+        kept = {id(p) for p in fusion}
+        groups = [{"params": [p for p in self.parameters if id(p) not in kept]}]
+        if fusion:  # it starts at zero: its own, larger rate (config.fusion_rate)
+            groups.append({"params": fusion, "lr": config.fusion_rate})
+        self.optimizer = torch.optim.AdamW(groups, lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
+
+    def _continue_from(self, start: DraftBlock) -> None:
+        """Load ``init_from``'s weights. A block without fused layers continues into one with
+        them: its fusion starts at zero, so the new block starts exactly where it stood. One with
+        other fused layers is refused."""
+        if start.fused_layers and start.fused_layers != self.block.fused_layers:
+            raise TrainingConfigError(
+                f"init_from {self.config.init_from} reads the outputs of layers "
+                f"{list(start.fused_layers)}, this run fuses {list(self.block.fused_layers)}; "
+                f"pass --fused-layers {','.join(map(str, start.fused_layers))}")
+        missing, _ = self.block.load_state_dict(start.state_dict(), strict=False)
+        assert all(name.startswith("layer_fusion.") for name in missing), missing
 
     def trained_module(self) -> BlockModule:  # type: ignore[override]
         return BlockModule(self.block)

@@ -146,7 +146,8 @@ def _lean_slice(name: str, saved: Tensor, mine: Tensor) -> tuple[slice, ...] | N
 
 
 def build_backbone(model: PreTrainedModel, config: HeadTrainingConfig) -> HFBackbone:
-    """``HFBackbone(model, lora_layers, lora_rank)``; the LoRA init draws from the global RNG.
+    """``HFBackbone(model, lora_layers, lora_rank, feature_layers=fused_layers)`` (a draft block's
+    fused layers' outputs come with the LM head's input); the LoRA init draws from the global RNG.
 
     Raises:
         TrainingConfigError: ``lora_layers`` exceeds the model's layers.
@@ -155,7 +156,8 @@ def build_backbone(model: PreTrainedModel, config: HeadTrainingConfig) -> HFBack
         raise TrainingConfigError(f"model must be a Hugging Face PreTrainedModel, got "
                                   f"{type(model).__name__}")
     try:
-        backbone = HFBackbone(model, lora_layers=config.lora_layers, lora_rank=config.lora_rank)
+        backbone = HFBackbone(model, lora_layers=config.lora_layers, lora_rank=config.lora_rank,
+                              feature_layers=config.fused_layers)
     except (TypeError, ValueError) as error:
         raise TrainingConfigError(f"cannot build the backbone: {error}") from None
     return backbone

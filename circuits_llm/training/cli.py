@@ -77,6 +77,15 @@ def load_training_model(spec: str, device: torch.device) -> Any:
         raise TrainingConfigError(str(error)) from None
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """``--fused-layers 2,14,26`` -> (2, 14, 26) (argparse turns the error into a usage line)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as "
+                                         f"2,14,26, got {text!r}") from None
+
+
 def _device(spec: DeviceSpec | str) -> torch.device:
     """The resolved ``--device``: ``cuda`` / ``auto`` use ``cuda:LOCAL_RANK`` (0 without torchrun)."""
     return resolve_device(spec, default_index=int(os.environ.get("LOCAL_RANK", "0")))
@@ -105,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> HeadTrainingConfig:
         teacher_top_k=args.teacher_top_k, teacher_temperature=args.teacher_temperature,
         teacher_weight=args.teacher_weight, draft_block=args.draft_block,
         block_layers=args.block_layers, block_init=args.block_init,
+        fused_layers=tuple(args.fused_layers), fusion_learning_rate=args.fusion_lr,
         on_block=None if args.on_block is None else str(args.on_block))
 
 
@@ -251,6 +261,14 @@ def add_train_head_command(sub: Any) -> None:
                    help="--draft-block: start the layers fresh (identity) or from a copy of the "
                         "model's last layer (last_layer, Llama models); either way the block "
                         "starts as the identity on its input")
+    p.add_argument("--fused-layers", type=_layer_list, default=(), metavar="I,J,...",
+                   help="--draft-block: the model's layers whose outputs the block reads besides "
+                        "its last hidden state (EAGLE-3's fused features, e.g. 2,14,26 of "
+                        "SmolLM2's 30); with --init-from a block without them, the fusion starts "
+                        "at zero, where that block stood (default: none)")
+    p.add_argument("--fusion-lr", type=float, default=None,
+                   help="--fused-layers: the fusion's learning rate (default: 10x --lr; it "
+                        "starts at zero while a continued block's weights start trained)")
     p.add_argument("--on-block", type=Path, default=None, metavar="BLOCK_DIR",
                    help="train the circuit head on a frozen draft block's outputs (a "
                         "save_draft_block directory or a --draft-block run directory), as "

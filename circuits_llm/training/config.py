@@ -210,6 +210,15 @@ class HeadTrainingConfig:
             block starts from that block's weights and drafts over its vocabulary.
         block_layers: the block's decoder layers ``L``.
         block_init: :class:`~circuits_llm.draft_block.BlockInit` of the block's layers.
+        fused_layers: with ``draft_block``, the model's layers whose outputs the block reads
+            besides the LM head's input (EAGLE-3's fused features,
+            :class:`~circuits_llm.draft_block.DraftBlock`'s ``fused_layers``; the feature cache
+            then holds them too); ``()``: none. With ``init_from`` a block without them starts
+            with a fusion that is zero, exactly where it stood.
+        fusion_learning_rate: the fusion's learning rate (``None``: 10x ``learning_rate``). The
+            fusion starts at zero and has a long way to go when the block's weights start
+            trained (a continued block): the probe of ``benchmarks/fused_features_probe.py``
+            trained the fusion at 10x the block's rate.
         on_block: train the circuit head on a frozen draft block's outputs (``train-head
             --on-block DIR``; :mod:`circuits_llm.training.block_head_trainer`): a
             ``save_draft_block`` directory or a ``--draft-block`` run directory. The head reads
@@ -259,6 +268,8 @@ class HeadTrainingConfig:
     block_layers: int = 1
     block_init: BlockInit = BlockInit.IDENTITY
     on_block: str | None = None
+    fused_layers: tuple[int, ...] = ()
+    fusion_learning_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.circuit_file is not None:
@@ -348,6 +359,7 @@ class HeadTrainingConfig:
             raise TrainingConfigError(f"draft_block must be true or false, got "
                                       f"{self.draft_block!r}")
         _int("block_layers", self.block_layers, 1)
+        self._check_fused_layers()
         if self.on_block is not None:
             self._check_on_block()
         if not self.draft_block:
@@ -360,6 +372,20 @@ class HeadTrainingConfig:
                 f"a draft block reads the LM head's input and the verified token itself; drop "
                 f"{', '.join(unused)} (they configure circuit heads) or train without "
                 "--draft-block")
+
+    def _check_fused_layers(self) -> None:
+        layers = self.fused_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) \
+                or len(set(layers)) != len(layers):
+            raise TrainingConfigError(f"fused_layers must be distinct layer indices >= 0, got "
+                                      f"{layers!r}")
+        object.__setattr__(self, "fused_layers", tuple(layers))
+        if self.fusion_learning_rate is not None:
+            _positive("fusion_learning_rate", self.fusion_learning_rate)
+        if layers and not self.draft_block:
+            raise TrainingConfigError("fused_layers are the layers a draft block reads besides "
+                                      "the LM head's input: pass --draft-block too")
 
     def _check_on_block(self) -> None:
         if not isinstance(self.on_block, str) or not self.on_block:
@@ -391,6 +417,12 @@ class HeadTrainingConfig:
                 "--cache-features, or train with --lora-layers 0")
 
     @property
+    def fusion_rate(self) -> float:
+        """The learning rate of a draft block's fusion (see ``fusion_learning_rate``)."""
+        return float(self.fusion_learning_rate) if self.fusion_learning_rate is not None \
+            else 10 * self.learning_rate
+
+    @property
     def teacher_law_temperature(self) -> float:
         """The temperature of the LM's law the ``MODEL`` target uses (see the attribute)."""
         if self.teacher_temperature is not None:
@@ -413,6 +445,7 @@ class HeadTrainingConfig:
         values["feature_dtype"] = self.feature_dtype.value
         values["target_law"] = self.target_law.value
         values["block_init"] = self.block_init.value
+        values["fused_layers"] = list(self.fused_layers)
         return values
 
     @classmethod

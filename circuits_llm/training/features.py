@@ -170,6 +170,9 @@ class _Features:
         self.backbone, self.bf16 = backbone, config.bf16
         self.layer = "the LM head's input" if backbone.lora_layers == 0 else \
             f"the input of layer {backbone.num_layers - backbone.lora_layers}"
+        if backbone.feature_layers:  # a draft block's fused layers: their outputs come first
+            self.layer = f"the outputs of layers {list(backbone.feature_layers)}, then " \
+                f"{self.layer}"
         self.model = model_fingerprint(backbone.model)
         self.dtype_choice = config.feature_dtype
 
