@@ -7,7 +7,11 @@ Two drafters, with random weights of the shipped shapes (read from
 
 * ``block``: :class:`~circuits_llm.draft_block.BlockDrafter`, FastMTP's recursive drafting, one
   decoder layer over a compressed draft vocabulary (8,192 tokens), ``draft_steps`` (5) drafts a
-  round (window 6);
+  round (window 6). The shipped block also reads the outputs of layers 2, 14 and 26 (EAGLE-3's
+  fused features, docs/journal.md section 22); these rows time the block without that fusion,
+  over the speed rows' shared compiled backbone: its cost is one (m, 3d) x (3d, d) product for
+  the m positions a round verifies, and a backbone handing it those layers would be a second
+  compiled one;
 * ``btree-block``: :class:`~circuits_llm.draft_block.BlockCircuitDrafter`, the block run once a
   round and a BTree head (window 4, rank 16, LEAN with ``lean_rank`` 8, its own draft vocabulary of
   4,096 tokens) drafting the window from the block's output.
