@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from circuits_llm.backbone._arch import find_parts
 from circuits_llm.draft_block.block import DraftBlock
+from circuits_llm.draft_block.block import LayerFusion as BlockFusion
 from circuits_llm.draft_block.training import depth_outputs
 from circuits_llm.runtime.timing import machine_info, publish
 
@@ -125,21 +126,19 @@ def read_text(model: nn.Module, block: DraftBlock, ids: Tensor, layers: Sequence
     return ProbeText(torch.cat(top), torch.cat(fused), ids[:, 1:-1], torch.cat(law))
 
 
-class LayerFusion(nn.Module):
-    """``h' = h + G [rms(l_1); ...; rms(l_n)]`` with ``G`` (n d -> d) zero at the start: the
-    block's input unchanged until ``G`` is trained."""
+class LayerFusion(BlockFusion):
+    """The library's fusion (:class:`~circuits_llm.draft_block.block.LayerFusion`, what a block
+    with ``fused_layers`` reads through), over the probe's pair ``(top, layers)`` instead of the
+    backbone's concatenated features: ``h' = h + G [rms(l_1); ...; rms(l_n)]``, ``G`` zero at the
+    start, so the block's input is unchanged until ``G`` is trained."""
 
     def __init__(self, width: int, count: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.norms = nn.ModuleList(nn.RMSNorm(width, eps=eps) for _ in range(count))
-        self.project = nn.Linear(count * width, width, bias=False)
-        nn.init.zeros_(self.project.weight)
+        super().__init__(width, count, eps)
 
-    def forward(self, top: Tensor, layers: Tensor) -> Tensor:
+    def forward(self, top: Tensor, layers: Tensor) -> Tensor:  # type: ignore[override]
         """``top`` (..., d), ``layers`` (..., n, d) -> (..., d) in the fusion's dtype."""
-        dtype = self.project.weight.dtype
-        normed = [norm(layers[..., i, :].to(dtype)) for i, norm in enumerate(self.norms)]
-        return top.to(dtype) + self.project(torch.cat(normed, -1))
+        features = torch.cat([layers.flatten(-2), top], -1)
+        return super().forward(features.to(self.project.weight.dtype))
 
 
 def _inputs(block: DraftBlock, text: ProbeText, fusion: LayerFusion | None) -> Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
@@ -155,8 +156,7 @@ def draft_output(cap: Capture, num_layers: int, draft_layers: nn.ModuleList, fin
             f"expected each of the last {k} decoder layers to be called once per forward, "
             f"saw {len(calls)} calls"
         )
-    first_args, first_kwargs = calls[0]
-    hidden = first_args[0] if first_args else first_kwargs["hidden_states"]
+    hidden = hidden_entering(*calls[0])
     for layer, (args, kwargs) in zip(draft_layers, calls, strict=True):
         args, kwargs = swap_cache(args, kwargs, verifier_cache, draft_cache)
         if args:
@@ -169,22 +169,32 @@ def draft_output(cap: Capture, num_layers: int, draft_layers: nn.ModuleList, fin
     return final_norm(hidden)
 
 
-def layer_outputs(cap: Capture, layers: tuple[int, ...]) -> list[Tensor]:
-    """The outputs of the decoder layers ``layers`` (each ``< num_layers - 1``) in a recorded
-    forward: the hidden state entering the layer after each, (B, m, d) each.
+def hidden_entering(args: tuple, kwargs: dict) -> Tensor:
+    """The hidden state a recorded decoder-layer call received (its first positional argument,
+    else its ``hidden_states`` keyword)."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def with_layer_outputs(cap: Capture, layers: tuple[int, ...], hidden: Tensor) -> Tensor:
+    """``hidden`` (B, m, d) after the outputs of the decoder layers ``layers`` (each ``<
+    num_layers - 1``) in a recorded forward: ``[l_a; l_b; ...; hidden]`` (B, m, (n + 1) d), what
+    a draft block with those fused layers reads; ``hidden`` itself without layers. A layer's
+    output is the hidden state entering the layer after it.
 
     Raises:
         UnsupportedModelError: a layer after one of them was not called once.
     """
-    entering = {}
+    if not layers:
+        return hidden
+    entering: dict[int, Tensor] = {}
     for index, args, kwargs in cap.layer_calls:
         if index - 1 in layers:
             if index - 1 in entering:
                 raise UnsupportedModelError(f"decoder layer {index} was called more than once in "
                                             "one forward, so its input is ambiguous")
-            entering[index - 1] = args[0] if args else kwargs["hidden_states"]
+            entering[index - 1] = hidden_entering(args, kwargs)
     missing = [i for i in layers if i not in entering]
     if missing:
         raise UnsupportedModelError(f"the outputs of layers {missing} were not seen: the layers "
                                     "after them were not called with their hidden state")
-    return [entering[i] for i in layers]
+    return torch.cat([*(entering[i] for i in layers), hidden], -1)

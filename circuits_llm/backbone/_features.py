@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from circuits_llm.backbone._arch import UnsupportedModelError
-from circuits_llm.backbone._capture import Capture, draft_output, layer_outputs
+from circuits_llm.backbone._capture import Capture, draft_output, hidden_entering, with_layer_outputs
 from circuits_llm.backbone._validate import check_tokens
 from circuits_llm.backbone.hf import HFBackbone
 
@@ -53,10 +53,6 @@ def _branch_calls(cap: Capture, backbone: HFBackbone) -> list[tuple[tuple, dict]
     return calls
 
 
-def _hidden_of(args: tuple, kwargs: dict) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
 def branch_input(backbone: HFBackbone, tokens: Tensor) -> Tensor:
     """(B, L) tokens -> (B, L, F) in the model's dtype: the LM head's input when
     ``lora_layers == 0`` (the draft hidden state itself, after the outputs of the backbone's
@@ -70,15 +66,12 @@ def branch_input(backbone: HFBackbone, tokens: Tensor) -> Tensor:
     if backbone.lora_layers == 0:
         if cap.head_input is None:
             raise UnsupportedModelError("the LM head was not called by the model's forward")
-        if backbone.feature_layers:  # a draft block's fused layers: their outputs first
-            return torch.cat([*layer_outputs(cap, backbone.feature_layers), cap.head_input],
-                             -1).detach()
-        return cap.head_input.detach()
+        return with_layer_outputs(cap, backbone.feature_layers, cap.head_input).detach()
     if backbone.feature_layers:
         raise UnsupportedModelError("cached features hold fused layers' outputs only without a "
                                     "draft branch: build the backbone with lora_layers=0")
     args, kwargs = _branch_calls(cap, backbone)[0]
-    return _hidden_of(args, kwargs).detach()
+    return hidden_entering(args, kwargs).detach()
 
 
 #: How a recorded argument is turned back into one for a batch of B sequences.

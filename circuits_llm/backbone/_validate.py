@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -97,7 +99,6 @@ def check_feature_layers(layers: object, count: int) -> tuple[int, ...]:
     Raises:
         ValueError: anything else, saying what was wrong.
     """
-    from collections.abc import Sequence
     if isinstance(layers, (str, bytes, Tensor)) or not isinstance(layers, Sequence):
         raise ValueError(f"feature layers must be a sequence of layer indices, got {layers!r}")
     result = tuple(layers)

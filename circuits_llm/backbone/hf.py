@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from circuits.errors import InvalidInputError
 from circuits_llm.backbone._adapter_io import load_adapter_into, save_adapter_from
 from circuits_llm.backbone._arch import UnsupportedModelError, check_cache_support, find_parts
-from circuits_llm.backbone._capture import Capture, capture_hooks, draft_output, layer_outputs
+from circuits_llm.backbone._capture import Capture, capture_hooks, draft_output, with_layer_outputs
 from circuits_llm.backbone._lora import draft_branch, lora_options, lora_parameters, lora_state
 from circuits_llm.backbone._static import CacheKind, StaticCaches, compile_step, resolve_cache_options
 from circuits_llm.backbone._step_errors import TOKEN_RANGE_MESSAGE, static_step_error
@@ -474,9 +474,7 @@ class HFBackbone(nn.Module):
         the outputs of the :attr:`feature_layers` when there are some."""
         draft = draft_output(cap, self.num_layers, self.draft_layers, self._parts.final_norm,
                              self._parts.lm_head, verifier_cache, draft_cache)
-        if not self.feature_layers:
-            return draft
-        return torch.cat([*layer_outputs(cap, self.feature_layers), draft], -1)
+        return with_layer_outputs(cap, self.feature_layers, draft)
 
     def _static_step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One forward of ``tokens`` (B, m) on the static caches -> (logits (B, m, V), draft (B, m, d)).

@@ -278,6 +278,11 @@ class DraftBlock(nn.Module):
             return features
         return self.layer_fusion(features.to(self.dtype))
 
+    def last_hidden(self, features: Tensor) -> Tensor:
+        """(..., :attr:`feature_size`) features -> (..., d) the LM head's input among them (the
+        last ``d``: the fused layers' outputs come first), whose readout is the target's law."""
+        return features[..., -self.hidden_size:]
+
     def new_cache(self) -> Cache:
         """An empty KV cache for the block's layers (one per sequence)."""
         from transformers.cache_utils import DynamicCache

@@ -135,8 +135,8 @@ class BlockDraftModel(nn.Module):
                 logits = self.teacher.from_logits(live).logits
         else:
             hidden = features
-            if self.teacher is not None:  # the LM head's input: the last d of the features
-                logits = self.teacher.from_features(features[..., -self.block.hidden_size:]).logits
+            if self.teacher is not None:
+                logits = self.teacher.from_features(self.block.last_hidden(features)).logits
         return hidden.to(self.block.dtype), logits
 
     def forward(self, tokens: Tensor, mask: Tensor | None,
@@ -231,7 +231,7 @@ class BlockTrainer(Trainer):
             if isinstance(train, FeatureRows) and len(train) > 0:  # checked against a live pass
                 first = torch.zeros(1, dtype=torch.long)
                 first_tokens = train.rows(first)[0]
-                first_features = train.features(first)[..., -self.block.hidden_size:]
+                first_features = self.block.last_hidden(train.features(first))
             teacher = build_teacher(self.model, backbone, self.block, config, first_tokens,
                                     first_features)
         self.draft = BlockDraftModel(  # type: ignore[assignment]
